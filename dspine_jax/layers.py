@@ -1,0 +1,87 @@
+"""Decoder building blocks shared by the target models and the drafters.
+
+Parameters keep HF's names and layouts ([out, in] weights), so checkpoints map one to one.
+
+Shape legend:
+  B batch, T query length, S key length, D hidden, N query heads, K kv heads,
+  G query heads per kv head (N = K * G), H head dim, F MLP width, V vocab.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+# Finite, so a query whose every key is masked (a padding row) gives a uniform
+# softmax instead of NaN; such rows are never read.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def _init(rngs: nnx.Rngs, shape, dtype, scale=0.02):
+    return (jax.random.normal(rngs.params(), shape, jnp.float32) * scale).astype(dtype)
+
+
+class Linear(nnx.Module):
+    """y = x W^T (+ b), W stored [out, in] as in PyTorch checkpoints."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = False,
+                 dtype=jnp.float32, rngs: nnx.Rngs):
+        self.weight = nnx.Param(_init(rngs, (out_features, in_features), dtype))
+        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.einsum("...i,oi->...o", x, self.weight[...])
+        return y if self.bias is None else y + self.bias[...]
+
+
+class Embedding(nnx.Module):
+    def __init__(self, vocab_size: int, dim: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.weight = nnx.Param(_init(rngs, (vocab_size, dim), dtype))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.weight[...], tokens, axis=0)
+
+
+class RMSNorm(nnx.Module):
+    """HF's RMSNorm: normalise in float32, cast back, then scale."""
+
+    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return x32.astype(x.dtype) * self.weight[...].astype(x.dtype)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, dim: int, hidden: int, *, bias: bool = False, dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        self.gate_proj = Linear(dim, hidden, bias=bias, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(dim, hidden, bias=bias, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(hidden, dim, bias=bias, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                          mask: jax.Array) -> jax.Array:
+    """Grouped-query attention: q [B, T, N, H], k/v [B, S, K, H], mask [B, T, S] -> [B, T, N, H].
+
+    The reference every faster attention kernel is checked against. Scores and
+    softmax run in float32.
+    """
+    b, t, n, h = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(b, t, kv_heads, n // kv_heads, h)
+    # [B, K, G, T, S]
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask[:, None, None], scores * (h ** -0.5), MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
+    return out.reshape(b, t, n, h)

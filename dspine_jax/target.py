@@ -1,0 +1,169 @@
+"""Target language models (Qwen3 and Llama families) in Flax NNX.
+
+One forward serves every use: full-sequence training features (no cache), batched ragged
+prefill, single-token decode and multi-token verification (with a KV cache). It can return
+the hidden states after chosen layers, which is what the drafters condition on.
+
+Shape legend:
+  B batch, T new tokens, S cache capacity (keys), D hidden, N query heads, K kv heads,
+  H head dim, L layers picked for features, M logit positions, V vocab.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from dspine_jax.config import TargetConfig
+from dspine_jax.errors import ConfigError
+from dspine_jax.kv_cache import KVCache, write_kv
+from dspine_jax.layers import MLP, Embedding, Linear, RMSNorm, dot_product_attention
+from dspine_jax.rope import apply_rope, rope_frequencies
+
+
+@struct.dataclass
+class TargetOutput:
+    logits: jax.Array | None          # [B, M, V] float32 (M = T unless logits_at is given)
+    hidden_states: jax.Array | None   # [L, B, T, D] after the layers in hidden_layer_ids
+    final_hidden: jax.Array           # [B, T, D] after the final norm (lm_head's input)
+    cache: KVCache | None
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: TargetConfig, *, dtype, rngs: nnx.Rngs):
+        d, h = config.hidden_size, config.head_dim
+        n, k = config.num_attention_heads, config.num_key_value_heads
+        bias = config.attention_bias
+        self.config = config
+        self.q_proj = Linear(d, n * h, bias=bias, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(d, k * h, bias=bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(d, k * h, bias=bias, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(n * h, d, bias=bias, dtype=dtype, rngs=rngs)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(h, config.rms_norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(h, config.rms_norm_eps, dtype=dtype)
+
+    def project(self, x: jax.Array, positions: jax.Array):
+        """x [B, T, D] -> rotated q [B, T, N, H], rotated k and v [B, T, K, H]."""
+        c = self.config
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, c.num_attention_heads, c.head_dim)
+        k = self.k_proj(x).reshape(b, t, c.num_key_value_heads, c.head_dim)
+        v = self.v_proj(x).reshape(b, t, c.num_key_value_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq, scale = rope_frequencies(c)
+        return apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale), v
+
+    def __call__(self, x, positions, mask, kv=None):
+        """With kv = (keys, values) [B, S, K, H], writes this step's k/v at `positions`
+        and attends over the whole cache; otherwise attends over the T new tokens."""
+        q, k, v = self.project(x, positions)
+        if kv is not None:
+            k = write_kv(kv[0], k, positions)
+            v = write_kv(kv[1], v, positions)
+        out = dot_product_attention(q, k, v, mask)
+        b, t = x.shape[:2]
+        return self.o_proj(out.reshape(b, t, -1)), (k, v)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: TargetConfig, *, dtype, rngs: nnx.Rngs):
+        self.self_attn = Attention(config, dtype=dtype, rngs=rngs)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias,
+                       dtype=dtype, rngs=rngs)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
+                                                dtype=dtype)
+
+    def __call__(self, x, positions, mask, kv=None):
+        attn, kv = self.self_attn(self.input_layernorm(x), positions, mask, kv)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), kv
+
+
+class TargetModel(nnx.Module):
+    """A decoder-only LM. Attribute names mirror HF's (`model.` prefix dropped)."""
+
+    def __init__(self, config: TargetConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config = config
+        self.dtype = dtype
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype,
+                                      rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(config, dtype=dtype, rngs=rngs)
+                                for _ in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.lm_head = (None if config.tie_word_embeddings else
+                        Linear(config.hidden_size, config.vocab_size, dtype=dtype, rngs=rngs))
+
+    # The two frozen tables the drafters share with the target.
+    def input_embedding(self) -> jax.Array:
+        """E_in [V, D]."""
+        return self.embed_tokens.weight[...]
+
+    def output_embedding(self) -> jax.Array:
+        """E_out [V, D] (the lm_head rows; E_in itself when tied)."""
+        return self.input_embedding() if self.lm_head is None else self.lm_head.weight[...]
+
+    def compute_logits(self, final_hidden: jax.Array) -> jax.Array:
+        """[..., D] after the final norm -> float32 logits [..., V]."""
+        return jnp.einsum("...D,VD->...V", final_hidden, self.output_embedding(),
+                          preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens: jax.Array, cache: KVCache | None = None, *,
+                 positions: jax.Array | None = None,
+                 hidden_layer_ids: Sequence[int] = (),
+                 logits_at: jax.Array | None = None,
+                 return_logits: bool = True) -> TargetOutput:
+        """Forward T new tokens per row.
+
+        tokens [B, T]. With a cache, row b's tokens sit at positions lengths[b] + (0..T-1)
+        and the returned cache has lengths + T (callers shrink it for ragged rows or
+        rejected drafts). Without a cache, positions default to 0..T-1 and attention is
+        causal over the T tokens. `logits_at` [B, M] picks which positions get logits.
+        """
+        b, t = tokens.shape
+        bad = [i for i in hidden_layer_ids if not 0 <= i < self.config.num_hidden_layers]
+        if bad:
+            raise ConfigError(f"hidden_layer_ids {bad} out of range for a "
+                              f"{self.config.num_hidden_layers}-layer target")
+        if cache is not None:
+            positions = cache.lengths[:, None] + jnp.arange(t)[None, :]
+            key_positions = jnp.arange(cache.capacity)
+        else:
+            if positions is None:
+                positions = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
+            key_positions = positions
+        # [B, T, S]: a key is visible when it is not after the query.
+        mask = key_positions[..., None, :] <= positions[:, :, None]
+        if cache is None:
+            mask = mask & (jnp.arange(t)[None, :] <= jnp.arange(t)[:, None])[None]
+
+        x = self.embed_tokens(tokens)
+        picked, new_keys, new_values = [], [], []
+        for i, layer in enumerate(self.layers):
+            kv = None if cache is None else (cache.keys[i], cache.values[i])
+            x, (k, v) = layer(x, positions, mask, kv)
+            if cache is not None:
+                new_keys.append(k)
+                new_values.append(v)
+            if i in hidden_layer_ids:
+                picked.append(x)
+        hidden = None
+        if hidden_layer_ids:
+            order = sorted(hidden_layer_ids)
+            hidden = jnp.stack([picked[order.index(i)] for i in hidden_layer_ids])
+
+        final = self.norm(x)
+        logits = None
+        if return_logits:
+            rows = final if logits_at is None else jnp.take_along_axis(
+                final, logits_at[..., None], axis=1)
+            logits = self.compute_logits(rows)
+        new_cache = None if cache is None else KVCache(
+            keys=tuple(new_keys), values=tuple(new_values), lengths=cache.lengths + t)
+        return TargetOutput(logits=logits, hidden_states=hidden, final_hidden=final,
+                            cache=new_cache)
