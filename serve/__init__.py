@@ -1,0 +1,1 @@
+"""Serving front end (OpenAI-compatible HTTP server, benchmark client)."""

@@ -1,0 +1,79 @@
+"""Shared fixtures: tiny random HF checkpoints built with transformers (the reference)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
+          "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            max_position_embeddings=256, rms_norm_eps=1e-6, initializer_range=0.2)
+
+
+def hf_config(family: str, **overrides):
+    import transformers
+
+    kw = {**TINY, **overrides}
+    if family == "qwen3":
+        kw.setdefault("rope_theta", 1e6)
+        return transformers.Qwen3Config(**kw)
+    kw.setdefault("rope_theta", 1e5)
+    return transformers.LlamaConfig(**kw)
+
+
+def save_hf_model(folder: Path, family: str, seed: int = 0, max_shard_size=None, **overrides):
+    """A random transformers model saved as an HF folder; returns the torch model."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = hf_config(family, **overrides)
+    cls = transformers.Qwen3ForCausalLM if family == "qwen3" else transformers.LlamaForCausalLM
+    model = cls(config).float().eval()
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(folder, **kwargs)
+    return model
+
+
+def write_tiny_tokenizer(folder: Path, vocab_size: int = 128) -> None:
+    """A byte-level BPE trained on a few sentences, with ChatML special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    corpus = ["the quick brown fox jumps over the lazy dog", "hello world", "def f(x):"] * 20
+    tok.train_from_iterator(corpus, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": None,
+        "tokenizer_class": "PreTrainedTokenizerFast"}))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """A tiny Llama checkpoint folder with tokenizer and chat template."""
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    # A byte-level tokenizer needs 256 byte tokens before any merge.
+    save_hf_model(folder, "llama", tie_word_embeddings=True, vocab_size=320)
+    write_tiny_tokenizer(folder, vocab_size=300)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from dspine_jax.registry import resolve_target
+
+    return resolve_target("smollm2-135m-instruct")
