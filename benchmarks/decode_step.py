@@ -1,0 +1,181 @@
+"""Decode step time of the target alone (autoregressive), next to its floor and transformers.
+
+  python benchmarks/decode_step.py --target smollm2-135m-instruct --batch 1 8 --impl jax
+  python benchmarks/decode_step.py --target preset:qwen3-8b --batch 1 32 --impl transformers
+
+`preset:NAME` builds random weights with a published model's shapes (step time does not
+depend on weight values). Step time = (time for N new tokens - time for N/2 + 1) / (N/2 - 1),
+so prefill and compilation are excluded (both runs share one compiled shape bucket); each figure is the median of --repeats runs.
+The floor is the bytes one step must read (weights + the KV cache) over the copy
+bandwidth measured in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from datetime import date
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--target", default="smollm2-135m-instruct")
+    p.add_argument("--impl", choices=["jax", "transformers"], default="jax")
+    p.add_argument("--batch", type=int, nargs="+", default=[1])
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--steps-per-call", type=int, nargs="+", default=[1, 16],
+                   help="jax: decode steps per host round trip (device-side loop)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=None, help="append JSON lines here")
+    return p.parse_args()
+
+
+def median_time(fn, repeats: int) -> float:
+    fn()  # warm-up (compilation, allocator)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def step_time(run, new_tokens: int, repeats: int) -> float:
+    """Seconds per decode step from two lengths: prefill and set-up cancel out."""
+    short = new_tokens // 2 + 1
+    return (median_time(run(new_tokens), repeats) - median_time(run(short), repeats)) / (
+        new_tokens - short)
+
+
+# ----- JAX ----------------------------------------------------------------------------------
+def jax_copy_bandwidth() -> float:
+    """Bytes read + written per second by a large device-to-device copy."""
+    import jax
+    import jax.numpy as jnp
+
+    n = (1 << 30) if jax.default_backend() != "cpu" else (1 << 26)
+    x = jnp.ones((n // 4,), jnp.float32)
+    copy = jax.jit(lambda a: a + 1.0)
+    copy(x).block_until_ready()
+    t = median_time(lambda: copy(x).block_until_ready(), 10)
+    return 2 * n / t
+
+
+def load_jax_target(name: str, dtype: str):
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dspine_jax.checkpoints import load_target, resolve_dtype
+    from dspine_jax.config import PRESETS
+    from dspine_jax.target import TargetModel
+
+    if name.startswith("preset:"):
+        config = PRESETS[name.split(":", 1)[1]]
+        jdtype = resolve_dtype(dtype)
+        return TargetModel(config, dtype=jdtype, rngs=nnx.Rngs(0)), config, jdtype
+    loaded = load_target(name, dtype=dtype, with_tokenizer=False)
+    return loaded.model, loaded.config, loaded.model.dtype
+
+
+def bench_jax(args) -> list[dict]:
+    import jax
+    import numpy as np
+
+    from dspine_jax.generate import AutoregressiveGenerator
+
+    model, config, dtype = load_jax_target(args.target, args.dtype)
+    bandwidth = jax_copy_bandwidth()
+    results = []
+    for steps in args.steps_per_call:
+        gen = AutoregressiveGenerator(model, eos_token_ids=[], steps_per_call=steps)
+        for b in args.batch:
+            rng = np.random.default_rng(0)
+            prompts = rng.integers(0, config.vocab_size, size=(b, args.prompt_len)).tolist()
+
+            def run(n):
+                return lambda: gen.generate(prompts, max_new_tokens=n, ignore_eos=True)
+            step = step_time(run, args.new_tokens, args.repeats)
+            floor = step_bytes(config, b, args.prompt_len + args.new_tokens // 2,
+                               np.dtype(dtype).itemsize) / bandwidth
+            results.append(dict(impl="jax", steps_per_call=steps, batch=b, step_ms=step * 1e3,
+                                floor_ms=floor * 1e3, tokens_per_s=b / step,
+                                bandwidth_GBps=bandwidth / 1e9, device=str(jax.devices()[0])))
+            print(json.dumps(results[-1]), flush=True)
+    return results
+
+
+def step_bytes(config, batch: int, context: int, itemsize: int) -> int:
+    """Weights read once + the KV cache read once per decode step."""
+    kv = 2 * config.num_hidden_layers * batch * context * config.num_key_value_heads * \
+        config.head_dim * itemsize
+    return config.num_params() * itemsize + kv
+
+
+# ----- transformers --------------------------------------------------------------------------
+def bench_transformers(args) -> list[dict]:
+    import torch
+    import transformers
+
+    from dspine_jax.config import PRESETS
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if args.target.startswith("preset:"):
+        config = PRESETS[args.target.split(":", 1)[1]]
+        hf_config = transformers.AutoConfig.for_model(config.family, **{
+            k: v for k, v in config.to_hf().items() if k not in ("architectures", "model_type")})
+        with torch.device(device):
+            model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    else:
+        from dspine_jax.registry import resolve_target
+
+        path = resolve_target(args.target)
+        kw = dict(gguf_file=path.name) if path.suffix == ".gguf" else {}
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path.parent if kw else path, dtype=dtype, **kw).to(device)
+        config = None
+    model.eval()
+    x = torch.ones(1 << 28, device=device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def copy():
+        x.clone()
+        sync()
+    bandwidth = 2 * x.numel() * 4 / median_time(copy, 10)
+    results = []
+    for b in args.batch:
+        ids = torch.randint(0, model.config.vocab_size, (b, args.prompt_len), device=device)
+
+        def run(n):
+            def go():
+                with torch.no_grad():
+                    model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                   pad_token_id=0)
+                sync()
+            return go
+        step = step_time(run, args.new_tokens, args.repeats)
+        results.append(dict(impl="transformers", attn=model.config._attn_implementation,
+                            batch=b, step_ms=step * 1e3, tokens_per_s=b / step,
+                            bandwidth_GBps=bandwidth / 1e9, device=device))
+        print(json.dumps(results[-1]), flush=True)
+    return results
+
+
+def main():
+    args = parse_args()
+    results = bench_jax(args) if args.impl == "jax" else bench_transformers(args)
+    meta = dict(target=args.target, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                date=str(date.today()), host=platform.node())
+    if args.out:
+        with open(args.out, "a") as f:
+            for r in results:
+                f.write(json.dumps({**meta, **r}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
