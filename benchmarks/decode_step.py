@@ -4,8 +4,10 @@
   python benchmarks/decode_step.py --target preset:qwen3-8b --batch 1 32 --impl transformers
 
 `preset:NAME` builds random weights with a published model's shapes (step time does not
-depend on weight values). Step time = (time for N new tokens - time for N/2 + 1) / (N/2 - 1),
-so prefill and compilation are excluded (both runs share one compiled shape bucket); each figure is the median of --repeats runs.
+depend on weight values). JAX: the compiled decode is timed directly, `--steps-per-call`
+steps per host round trip, with a host sync after every call as generate() does.
+transformers: step time = (time for N new tokens - time for N/2 + 1) / (N/2 - 1), so
+prefill cancels out; each figure is the median of --repeats runs.
 The floor is the bytes one step must read (weights + the KV cache) over the copy
 bandwidth measured in the same process.
 """
@@ -30,7 +32,7 @@ def parse_args():
     p.add_argument("--steps-per-call", type=int, nargs="+", default=[1, 16],
                    help="jax: decode steps per host round trip (device-side loop)")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default=None, help="append JSON lines here")
     return p.parse_args()
 
@@ -58,7 +60,7 @@ def jax_copy_bandwidth() -> float:
     import jax
     import jax.numpy as jnp
 
-    n = (1 << 30) if jax.default_backend() != "cpu" else (1 << 26)
+    n = (1 << 32) if jax.default_backend() != "cpu" else (1 << 28)
     x = jnp.ones((n // 4,), jnp.float32)
     copy = jax.jit(lambda a: a + 1.0)
     copy(x).block_until_ready()
@@ -93,14 +95,25 @@ def bench_jax(args) -> list[dict]:
     results = []
     for steps in args.steps_per_call:
         gen = AutoregressiveGenerator(model, eos_token_ids=[], steps_per_call=steps)
+        calls = max(2, args.new_tokens // steps)
         for b in args.batch:
-            rng = np.random.default_rng(0)
-            prompts = rng.integers(0, config.vocab_size, size=(b, args.prompt_len)).tolist()
+            prompts = np.random.default_rng(0).integers(
+                0, config.vocab_size, size=(b, args.prompt_len)).tolist()
+            # Budget past what we time, so no row finishes inside the timed calls.
+            run = gen.prepare(prompts, max_new_tokens=2 * calls * steps + 2, ignore_eos=True)
 
-            def run(n):
-                return lambda: gen.generate(prompts, max_new_tokens=n, ignore_eos=True)
-            step = step_time(run, args.new_tokens, args.repeats)
-            floor = step_bytes(config, b, args.prompt_len + args.new_tokens // 2,
+            def decode_calls():
+                state = run.decode(run.prefill())
+                jax.block_until_ready(state)
+                t0 = time.perf_counter()
+                for _ in range(calls):  # each call syncs with the host, as generate() does
+                    state = run.decode(state)
+                    jax.device_get(state.num_generated)
+                return (time.perf_counter() - t0) / (calls * steps)
+
+            decode_calls()  # warm-up
+            step = statistics.median(decode_calls() for _ in range(args.repeats))
+            floor = step_bytes(config, b, args.prompt_len + calls * steps,
                                np.dtype(dtype).itemsize) / bandwidth
             results.append(dict(impl="jax", steps_per_call=steps, batch=b, step_ms=step * 1e3,
                                 floor_ms=floor * 1e3, tokens_per_s=b / step,
@@ -140,7 +153,7 @@ def bench_transformers(args) -> list[dict]:
             path.parent if kw else path, dtype=dtype, **kw).to(device)
         config = None
     model.eval()
-    x = torch.ones(1 << 28, device=device)
+    x = torch.ones(1 << 30, device=device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def copy():

@@ -51,6 +51,13 @@ class Generation:
 
 
 @dataclasses.dataclass
+class PreparedBatch:
+    prefill: Callable[[], DecodeState]
+    decode: Callable[[DecodeState], DecodeState]  # steps_per_call tokens per call
+    compile_seconds: float
+
+
+@dataclasses.dataclass
 class BatchResult:
     generations: list[Generation]
     seconds: float
@@ -136,11 +143,12 @@ class AutoregressiveGenerator:
                 raise InputError(f"prompt {i} has token ids outside the vocabulary "
                                  f"[0, {self.config.vocab_size}): {bad[:5]}")
 
-    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
-                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                 seed: int = 0, ignore_eos: bool = False,
-                 on_tokens: Callable[[int, list[int]], None] | None = None) -> BatchResult:
-        """Generate for a batch of token-id prompts. `on_tokens(row, new_ids)` streams."""
+    def prepare(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
+                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                seed: int = 0, ignore_eos: bool = False) -> "PreparedBatch":
+        """Check the request, pad it into its shape bucket and compile (once per bucket).
+
+        Returns the two stages as closures so callers (and benchmarks) can drive them."""
         self.check_request(prompts, max_new_tokens)
         b = len(prompts)
         sampling = SamplingParams.create(b, temperature, top_p, top_k)
@@ -153,23 +161,35 @@ class AutoregressiveGenerator:
             tokens[i, :len(p)] = p
         lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
         budget = jnp.full((b,), max_new_tokens, jnp.int32)
-        cache = KVCache.create(self.config, b, capacity, self.cache_dtype)
         rng = jax.random.key(seed)
         ignore = jnp.asarray(ignore_eos)
 
+        def args():  # a fresh cache per call: prefill donates it
+            cache = KVCache.create(self.config, b, capacity, self.cache_dtype)
+            return (self.params, tokens, lengths, cache, sampling, budget, rng, ignore)
+
         t0 = time.perf_counter()
-        args = (self.params, tokens, lengths, cache, sampling, budget, rng, ignore)
         prefill = self._compile(("prefill", b, prompt_len, capacity, out_len),
-                                self._prefill_fn, *args, out_len, static=("out_len",),
+                                self._prefill_fn, *args(), out_len, static=("out_len",),
                                 donate=("cache",))
-        state = jax.eval_shape(functools.partial(self._prefill_fn, out_len=out_len), *args)
+        state = jax.eval_shape(functools.partial(self._prefill_fn, out_len=out_len), *args())
         decode = self._compile(("decode", b, capacity, out_len), self._decode_fn, self.params,
                                state, sampling, ignore, self.steps_per_call,
                                static=("num_steps",), donate=("state",))
-        compile_seconds = time.perf_counter() - t0
+        return PreparedBatch(prefill=lambda: prefill(*args()),
+                             decode=lambda s: decode(self.params, s, sampling, ignore),
+                             compile_seconds=time.perf_counter() - t0)
 
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
+                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                 seed: int = 0, ignore_eos: bool = False,
+                 on_tokens: Callable[[int, list[int]], None] | None = None) -> BatchResult:
+        """Generate for a batch of token-id prompts. `on_tokens(row, new_ids)` streams."""
+        run = self.prepare(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                           top_p=top_p, top_k=top_k, seed=seed, ignore_eos=ignore_eos)
+        b = len(prompts)
         t0 = time.perf_counter()
-        state = prefill(*args)
+        state = run.prefill()
         emitted = [0] * b
         while True:
             num, done, output = jax.device_get((state.num_generated, state.done, state.output))
@@ -180,8 +200,9 @@ class AutoregressiveGenerator:
             emitted = num.tolist()
             if done.all():
                 break
-            state = decode(self.params, state, sampling, ignore)
+            state = run.decode(state)
         seconds = time.perf_counter() - t0
+        compile_seconds = run.compile_seconds
 
         eos = set(np.asarray(self.eos).tolist())
         generations = []
