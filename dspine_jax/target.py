@@ -48,15 +48,23 @@ class Attention(nnx.Module):
 
     def project(self, x: jax.Array, positions: jax.Array):
         """x [B, T, D] -> rotated q [B, T, N, H], rotated k and v [B, T, K, H]."""
+        return (self.project_q(x, positions),) + self.project_kv(x, positions)
+
+    def project_q(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         c = self.config
-        b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, c.num_attention_heads, c.head_dim)
-        k = self.k_proj(x).reshape(b, t, c.num_key_value_heads, c.head_dim)
-        v = self.v_proj(x).reshape(b, t, c.num_key_value_heads, c.head_dim)
+        q = self.q_proj(x).reshape(*x.shape[:2], c.num_attention_heads, c.head_dim)
         if c.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        inv_freq, scale = rope_frequencies(c)
-        return apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale), v
+            q = self.q_norm(q)
+        return apply_rope(q, positions, *rope_frequencies(c))
+
+    def project_kv(self, x: jax.Array, positions: jax.Array):
+        """Keys and values of x; also how drafters turn target features into context KV."""
+        c = self.config
+        k = self.k_proj(x).reshape(*x.shape[:2], c.num_key_value_heads, c.head_dim)
+        v = self.v_proj(x).reshape(*x.shape[:2], c.num_key_value_heads, c.head_dim)
+        if c.qk_norm:
+            k = self.k_norm(k)
+        return apply_rope(k, positions, *rope_frequencies(c)), v
 
     def __call__(self, x, positions, mask, kv=None):
         """With kv = (keys, values) [B, S, K, H], writes this step's k/v at `positions`

@@ -27,28 +27,36 @@ def hf_name(path: tuple) -> str:
 def build_target(config: TargetConfig, tensors: TensorSource, *, dtype=jnp.float32,
                  source: str = "checkpoint") -> TargetModel:
     """Materialise the model with no random init: every parameter comes from `tensors`."""
-    abstract = nnx.eval_shape(lambda: TargetModel(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    ignored = {"lm_head.weight"} if config.tie_word_embeddings else set()  # tied copies
+
+    def hint(missing):
+        return (" (config says tie_word_embeddings=false but there is no lm_head.weight)"
+                if "lm_head.weight" in missing else "")
+    return materialise(lambda: TargetModel(config, dtype=dtype, rngs=nnx.Rngs(0)), tensors,
+                       name_of=hf_name, dtype=dtype, source=source, ignored=ignored, hint=hint)
+
+
+def materialise(factory, tensors: TensorSource, *, name_of, dtype, source: str,
+                ignored=frozenset(), hint=lambda missing: ""):
+    """Build `factory()`'s module shape-only, then fill every variable from `tensors`,
+    refusing missing, unexpected, misshapen and non-finite tensors."""
+    abstract = nnx.eval_shape(factory)
     graphdef, state = nnx.split(abstract)
     flat = list(nnx.to_flat_state(state))
-    expected = {hf_name(path): var for path, var in flat}
+    expected = {name_of(path): var for path, var in flat}
 
-    available = {n for n in tensors if not n.endswith(IGNORED_SUFFIXES)}
-    if config.tie_word_embeddings:
-        available.discard("lm_head.weight")  # some exporters write the tied copy too
+    available = {n for n in tensors if not n.endswith(IGNORED_SUFFIXES)} - set(ignored)
     missing = sorted(set(expected) - available)
     unexpected = sorted(available - set(expected))
     if missing or unexpected:
-        hint = ""
-        if "lm_head.weight" in missing:
-            hint = " (config says tie_word_embeddings=false but there is no lm_head.weight)"
         raise CheckpointError(
-            f"{source}: weights and config disagree{hint}. "
+            f"{source}: weights and config disagree{hint(missing)}. "
             + (f"Missing tensors: {_preview(missing)}. " if missing else "")
             + (f"Unexpected tensors: {_preview(unexpected)}." if unexpected else ""))
 
     filled = []
     for path, var in flat:
-        name = hf_name(path)
+        name = name_of(path)
         array = tensors[name]()
         if tuple(array.shape) != tuple(var.shape):
             raise CheckpointError(

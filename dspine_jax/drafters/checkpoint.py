@@ -1,0 +1,71 @@
+"""Drafter checkpoints in the layout the DFlash reference implementations read.
+
+config.json (`architectures: ["DFlashDraftModel"]`, `block_size`, `num_hidden_layers`,
+`num_target_layers`, `dflash_config: {mask_token_id, target_layer_ids}`) plus
+model.safetensors with their tensor names (`fc.weight`, `hidden_norm.weight`,
+`layers.{i}.self_attn.q_proj.weight`, ...). A DSpine drafter adds its own tensors
+(`injection.*`, `transfer_codes`) and a `dspine_config`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors.numpy import save_file
+
+from dspine_jax.checkpoints import hf
+from dspine_jax.checkpoints.params import materialise
+from dspine_jax.drafters.config import DrafterConfig
+from dspine_jax.drafters.model import BlockDrafter
+from dspine_jax.errors import CheckpointError
+
+
+def tensor_name(path: tuple) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def drafter_tensors(drafter: BlockDrafter, dtype=None) -> dict[str, np.ndarray]:
+    flat = nnx.to_flat_state(nnx.state(drafter))
+    out = {}
+    for path, var in flat:
+        value = var[...]
+        out[tensor_name(path)] = np.asarray(value if dtype is None else value.astype(dtype))
+    return out
+
+
+def save_drafter(drafter: BlockDrafter, folder: str | Path, *, dtype=None) -> Path:
+    """Write config.json + model.safetensors; `dtype` (e.g. jnp.bfloat16) casts on save."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = drafter_tensors(drafter, dtype)
+    tmp = folder / "model.safetensors.tmp"
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp),
+              metadata={"format": "pt"})
+    tmp.replace(folder / "model.safetensors")  # never leave a half-written file behind
+    (folder / "config.json").write_text(json.dumps(drafter.config.to_hf(), indent=2))
+    return folder
+
+
+def read_drafter_config(folder: Path) -> DrafterConfig:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{folder}: no config.json (not a drafter checkpoint folder)")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+    return DrafterConfig.from_hf(raw)
+
+
+def load_drafter(folder: str | Path, *, dtype=jnp.float32) -> BlockDrafter:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"drafter {str(folder)!r} is not a checkpoint folder")
+    config = read_drafter_config(folder)
+    return materialise(lambda: BlockDrafter(config, dtype=dtype, rngs=nnx.Rngs(0)),
+                       hf.tensor_source(folder), name_of=tensor_name, dtype=dtype,
+                       source=str(folder))

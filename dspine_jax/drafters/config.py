@@ -1,0 +1,206 @@
+"""Drafter configurations: DFlash's (the reference's config.json fields) and DSpine's switches."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from dspine_jax.config import TargetConfig
+from dspine_jax.errors import ConfigError
+
+
+def build_target_layer_ids(num_target_layers: int, num_features: int) -> tuple[int, ...]:
+    """DFlash's choice: `num_features` layers spread evenly from 1 to L_t - 3 (rounded as
+    Python rounds). Qwen3-8B (36 layers), 5 features: (1, 9, 17, 25, 33)."""
+    if num_features == 1:
+        return (num_target_layers // 2,)
+    start, end = 1, num_target_layers - 3
+    return tuple(int(round(start + i * (end - start) / (num_features - 1)))
+                 for i in range(num_features))
+
+
+@dataclasses.dataclass(frozen=True)
+class DSpineConfig:
+    """DSpine's own settings (names follow the reference's `dspine_config`) and the
+    ablation switches of design doc section 3."""
+
+    transfer_rank: int = 512            # r (paper: 1024 at H=4096; r <= H)
+    message_size: int = 256             # m
+    top_k: int = 16                     # candidates per slot for the decoding head
+    ce_weight: float = 0.1              # backbone/refinement: ce_weight*CE + (1-ce_weight)*L1
+    alignment_weight: float = 0.5       # beta
+    alignment_warmup_steps: int = 150
+    replacement_layers: int = 3
+    replacement_probability: float = 0.5
+    replacement_hold_ratio: float = 1 / 6
+    replacement_end_ratio: float = 1 / 3
+    candidate_mass_threshold: float = 1e-4
+    # [switch]es
+    injection: bool = True              # gated adjacent injection after every layer
+    teacher_replacement: bool = True    # curriculum with the true predecessors' codes
+    causal_block: bool = True           # False: DFlash's bidirectional block attention
+    alignment: bool = True              # layer-wise output-embedding supervision
+    refinement_head: bool = True        # predecessor-conditioned decoding at inference
+
+    def __post_init__(self):
+        for name in ("transfer_rank", "message_size", "top_k", "alignment_warmup_steps"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise ConfigError(f"dspine.{name} must be a positive integer, "
+                                  f"got {getattr(self, name)!r}")
+        for name in ("ce_weight", "replacement_probability", "replacement_hold_ratio",
+                     "replacement_end_ratio"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ConfigError(f"dspine.{name} must be in [0, 1], got {getattr(self, name)!r}")
+        if self.replacement_hold_ratio > self.replacement_end_ratio:
+            raise ConfigError("dspine.replacement_hold_ratio must not exceed replacement_end_ratio")
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    """A block drafter over a target. `dspine=None` is DFlash."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int          # draft layers (paper: 5)
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    num_target_layers: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    max_position_embeddings: int = 4096
+    dspine: DSpineConfig | None = None
+
+    def __post_init__(self):
+        if self.block_size < 2:
+            raise ConfigError(f"block_size must be at least 2, got {self.block_size}")
+        if not self.target_layer_ids:
+            raise ConfigError("target_layer_ids must name at least one target layer")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        if bad:
+            raise ConfigError(f"target_layer_ids {bad} out of range for a "
+                              f"{self.num_target_layers}-layer target")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ConfigError(f"mask_token_id {self.mask_token_id} is outside the vocabulary "
+                              f"[0, {self.vocab_size})")
+        if self.dspine is not None and self.dspine.transfer_rank > self.hidden_size:
+            raise ConfigError(f"dspine.transfer_rank ({self.dspine.transfer_rank}) must not "
+                              f"exceed hidden_size ({self.hidden_size})")
+        self.layer_config()  # validates the attention shapes
+
+    @property
+    def kind(self) -> str:
+        return "dflash" if self.dspine is None else "dspine"
+
+    @property
+    def num_features(self) -> int:
+        return len(self.target_layer_ids)
+
+    @property
+    def causal_block(self) -> bool:
+        return self.dspine is not None and self.dspine.causal_block
+
+    def layer_config(self) -> TargetConfig:
+        """The draft layers are Qwen3 decoder layers with these shapes."""
+        return TargetConfig(
+            family="qwen3", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+            max_position_embeddings=self.max_position_embeddings,
+            rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling)
+
+    @classmethod
+    def for_target(cls, target: TargetConfig, *, kind: str = "dspine", num_layers: int = 5,
+                   mask_token_id: int, block_size: int = 16, num_features: int | None = None,
+                   dspine: DSpineConfig | None = None) -> "DrafterConfig":
+        """The paper's recipe: draft layers at the target's width and attention shapes."""
+        if kind not in ("dflash", "dspine"):
+            raise ConfigError(f"drafter kind must be 'dflash' or 'dspine', got {kind!r}")
+        ids = build_target_layer_ids(target.num_hidden_layers, num_features or num_layers)
+        return cls(
+            hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
+            num_hidden_layers=num_layers, num_attention_heads=target.num_attention_heads,
+            num_key_value_heads=target.num_key_value_heads, head_dim=target.head_dim,
+            vocab_size=target.vocab_size, num_target_layers=target.num_hidden_layers,
+            target_layer_ids=ids, mask_token_id=mask_token_id, block_size=block_size,
+            rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta,
+            rope_scaling=target.rope_scaling,
+            max_position_embeddings=target.max_position_embeddings,
+            dspine=(dspine or DSpineConfig()) if kind == "dspine" else None)
+
+    def check_target(self, target: TargetConfig) -> None:
+        """A drafter only runs on the target it was built for: say which field disagrees."""
+        pairs = [("hidden_size", self.hidden_size, target.hidden_size),
+                 ("vocab_size", self.vocab_size, target.vocab_size),
+                 ("num_target_layers", self.num_target_layers, target.num_hidden_layers)]
+        for name, mine, theirs in pairs:
+            if mine != theirs:
+                raise ConfigError(f"drafter and target disagree: drafter {name} is {mine}, "
+                                  f"the target's is {theirs}")
+        bad = [i for i in self.target_layer_ids if i >= target.num_hidden_layers]
+        if bad:
+            raise ConfigError(f"drafter reads target layers {bad}, but the target has only "
+                              f"{target.num_hidden_layers} layers")
+
+    # ----- the reference's config.json ------------------------------------------------------
+    def to_hf(self) -> dict[str, Any]:
+        out = {
+            "architectures": ["DFlashDraftModel" if self.dspine is None else "DSpineDraftModel"],
+            "model_type": "qwen3", "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size, "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta, "rope_scaling": dict(self.rope_scaling or ()) or None,
+            "max_position_embeddings": self.max_position_embeddings, "hidden_act": "silu",
+            "attention_bias": False, "tie_word_embeddings": False,
+            "block_size": self.block_size, "num_target_layers": self.num_target_layers,
+            "dflash_config": {"mask_token_id": self.mask_token_id,
+                              "target_layer_ids": list(self.target_layer_ids),
+                              "block_size": self.block_size},
+        }
+        if self.dspine is not None:
+            out["dspine_config"] = dataclasses.asdict(self.dspine)
+        return out
+
+    @classmethod
+    def from_hf(cls, raw: Mapping[str, Any]) -> "DrafterConfig":
+        arch = (raw.get("architectures") or [None])[0]
+        if arch not in ("DFlashDraftModel", "DSpineDraftModel"):
+            raise ConfigError(f"not a DFlash/DSpine drafter config: architectures={arch!r}")
+        flash = raw.get("dflash_config") or {}
+        try:
+            rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+            theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
+            if rope.get("rope_type", "default") == "default":
+                rope = {}
+            spine = raw.get("dspine_config")
+            if spine is not None:
+                unknown = set(spine) - {f.name for f in dataclasses.fields(DSpineConfig)}
+                if unknown:
+                    raise ConfigError(f"dspine_config has unknown field(s): {sorted(unknown)}")
+            return cls(
+                hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
+                num_hidden_layers=raw["num_hidden_layers"],
+                num_attention_heads=raw["num_attention_heads"],
+                num_key_value_heads=raw["num_key_value_heads"],
+                head_dim=raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
+                vocab_size=raw["vocab_size"], num_target_layers=raw["num_target_layers"],
+                target_layer_ids=tuple(flash.get("target_layer_ids") or build_target_layer_ids(
+                    raw["num_target_layers"], raw["num_hidden_layers"])),
+                mask_token_id=flash["mask_token_id"],
+                block_size=raw.get("block_size") or flash.get("block_size", 16),
+                rms_norm_eps=raw.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+                rope_scaling=tuple(sorted(rope.items())) or None,
+                max_position_embeddings=raw.get("max_position_embeddings", 4096),
+                dspine=None if spine is None else DSpineConfig(**spine))
+        except KeyError as e:
+            raise ConfigError(f"drafter config.json lacks field {e.args[0]!r}") from e

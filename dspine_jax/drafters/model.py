@@ -1,0 +1,244 @@
+"""Block drafters: DFlash, and DSpine (DFlash + adjacent injection + decoding head).
+
+One layer stack serves both forwards:
+  * training: every sampled block of a sequence in one pass; block j sees the context
+    strictly before its anchor, itself (bidirectionally, or causally for DSpine), and no
+    other block;
+  * inference: one block per row against the drafter's context cache.
+Both build the same queries, keys and masks, so they give the same block logits.
+
+The target's frozen tables (input embedding E_in, output embedding E_out) are arguments,
+never parameters: gradients cannot reach them and checkpoints hold only the drafter.
+
+Shape legend:
+  B batch, T sequence (context) length, S context capacity, n blocks per row, K block
+  size (slots), D hidden, F fused feature input (features x D), L draft layers,
+  r transfer rank, V vocab, C candidates.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from dspine_jax.drafters.config import DrafterConfig
+from dspine_jax.drafters.injection import Injection
+from dspine_jax.drafters.transfer import TransferSpace, build_transfer_space
+from dspine_jax.kv_cache import KVCache, write_kv
+from dspine_jax.layers import Linear, RMSNorm, dot_product_attention
+from dspine_jax.target import DecoderLayer
+
+
+class TransferCodes(nnx.Variable):
+    """The fixed token-code table [V, r]: saved with the drafter, never trained."""
+
+
+@struct.dataclass
+class DraftOutput:
+    logits: jax.Array                 # [B, n, K, V] float32 base logits (slot 0 unused)
+    hidden: jax.Array                 # [B, n, K, D] after the final norm
+    pre_injection: jax.Array | None   # [B, n, K, D] last layer, before its injection (DSpine)
+    features: jax.Array | None        # [L, B, n, K, r] phi_l after each injection (DSpine)
+    gates: jax.Array | None           # [L] mean gate value per layer (DSpine)
+
+
+class DrafterLayer(DecoderLayer):
+    """A Qwen3 decoder layer whose keys/values are [context features ; block]."""
+
+    def context_kv(self, fused: jax.Array, positions: jax.Array):
+        """KV injection: context features [B, S, D] bypass the norm, Q, O and MLP."""
+        return self.self_attn.project_kv(fused, positions)
+
+    def draft(self, x, positions, ctx_k, ctx_v, mask):
+        """x [B, Q, D] block hiddens; ctx_k/v [B, S, K, H]; mask [B, Q, S + Q]."""
+        h = self.input_layernorm(x)
+        q = self.self_attn.project_q(h, positions)
+        k, v = self.self_attn.project_kv(h, positions)
+        out = dot_product_attention(q, jnp.concatenate([ctx_k, k.astype(ctx_k.dtype)], 1),
+                                    jnp.concatenate([ctx_v, v.astype(ctx_v.dtype)], 1), mask)
+        x = x + self.self_attn.o_proj(out.reshape(*x.shape[:2], -1))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class BlockDrafter(nnx.Module):
+    def __init__(self, config: DrafterConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
+                 transfer: TransferSpace | None = None):
+        self.config = config
+        self.dtype = dtype
+        d = config.hidden_size
+        layer_config = config.layer_config()
+        self.fc = Linear(config.num_features * d, d, dtype=dtype, rngs=rngs)
+        self.hidden_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype)
+        self.layers = nnx.List([DrafterLayer(layer_config, dtype=dtype, rngs=rngs)
+                                for _ in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype)
+        spine = config.dspine
+        if spine is not None:
+            self.injection = Injection(d, spine.transfer_rank, spine.message_size,
+                                       config.num_hidden_layers, dtype=dtype, rngs=rngs)
+            self.transfer_codes = TransferCodes(
+                jnp.zeros((config.vocab_size, spine.transfer_rank), dtype))
+            if transfer is not None:
+                self.set_transfer_space(transfer)
+
+    def set_transfer_space(self, space: TransferSpace) -> None:
+        """Install the code table and initialise every readout R_l to D^T."""
+        self.transfer_codes[...] = jnp.asarray(space.codes, self.dtype)
+        for readout in self.injection.readouts:
+            readout.weight[...] = jnp.asarray(space.projection, self.dtype)
+
+    @classmethod
+    def create(cls, config: DrafterConfig, output_embedding=None, *, seed: int = 0,
+               dtype=jnp.float32) -> "BlockDrafter":
+        """A fresh drafter; DSpine builds its transfer space from E_out [V, D]."""
+        transfer = None
+        if config.dspine is not None:
+            if output_embedding is None:
+                raise ValueError("a DSpine drafter needs the target's output embedding")
+            transfer = build_transfer_space(output_embedding, config.dspine.transfer_rank)
+        return cls(config, dtype=dtype, rngs=nnx.Rngs(seed), transfer=transfer)
+
+    # ----- shared pieces ---------------------------------------------------------------------
+    @property
+    def injecting(self) -> bool:
+        return self.config.dspine is not None and self.config.dspine.injection
+
+    def fuse(self, features: jax.Array) -> jax.Array:
+        """Concatenated target features [B, T, F] -> [B, T, D]."""
+        return self.hidden_norm(self.fc(features.astype(self.dtype)))
+
+    def code(self, tokens: jax.Array) -> jax.Array:
+        """sqrt(r) * c_token [..., r] float32: a token placed in the transfer space."""
+        codes = jnp.take(self.transfer_codes[...], tokens, axis=0).astype(jnp.float32)
+        return jnp.sqrt(self.config.dspine.transfer_rank) * codes
+
+    def _block_inputs(self, anchor_tokens: jax.Array, input_embedding: jax.Array):
+        """[anchor, MASK, ..., MASK] per block, embedded with the frozen E_in: [B, n, K, D]."""
+        k = self.config.block_size
+        tokens = jnp.concatenate([anchor_tokens[..., None], jnp.full(
+            anchor_tokens.shape + (k - 1,), self.config.mask_token_id, anchor_tokens.dtype)], -1)
+        return jnp.take(input_embedding, tokens, axis=0).astype(self.dtype)
+
+    def _mask(self, ctx_visible: jax.Array) -> jax.Array:
+        """ctx_visible [B, n, S] -> attention mask [B, n*K, S + n*K]."""
+        b, n, s = ctx_visible.shape
+        k = self.config.block_size
+        block = jnp.arange(n * k) // k
+        slot = jnp.arange(n * k) % k
+        inside = block[:, None] == block[None, :]
+        if self.config.causal_block:
+            inside &= slot[None, :] <= slot[:, None]
+        ctx = jnp.repeat(ctx_visible, k, axis=1)
+        return jnp.concatenate([ctx, jnp.broadcast_to(inside, (b, n * k, n * k))], -1)
+
+    def _run(self, x, positions, ctx_kv, ctx_visible, anchor_tokens, output_embedding,
+             teacher_tokens=None, replace=None) -> DraftOutput:
+        """The layer stack. x [B, n, K, D]; positions [B, n, K]; ctx_kv: per layer (k, v).
+
+        teacher_tokens [B, n, K]: the true predecessor of each slot (training only);
+        replace [B, n] bool: blocks whose first layers take those instead of predictions."""
+        b, n, k, d = x.shape
+        mask = self._mask(ctx_visible)
+        flat_positions = positions.reshape(b, n * k)
+        h = x
+        pre_injection, features, gates = None, [], []
+        for i, layer in enumerate(self.layers):
+            h = layer.draft(h.reshape(b, n * k, d), flat_positions, *ctx_kv[i], mask)
+            h = h.reshape(b, n, k, d)
+            if self.config.dspine is not None:
+                pre_injection = h
+                if self.injecting:
+                    h, gate = self._inject(i, h, anchor_tokens, teacher_tokens, replace)
+                    gates.append(jnp.mean(gate[:, :, 1:]))
+                features.append(self.injection.feature(i, h))
+        final = self.norm(h)
+        logits = jnp.einsum("BnKD,VD->BnKV", final, output_embedding.astype(final.dtype),
+                            preferred_element_type=jnp.float32)
+        return DraftOutput(
+            logits=logits, hidden=final, pre_injection=pre_injection,
+            features=jnp.stack(features) if features else None,
+            gates=jnp.stack(gates) if gates else None)
+
+    def _inject(self, layer, h, anchor_tokens, teacher_tokens, replace):
+        """Gated adjacent injection after `layer` for slots 1..K-1 of every block."""
+        spine = self.config.dspine
+        phi = self.injection.feature(layer, h)                      # [B, n, K, r]
+        anchor = self.code(anchor_tokens)[:, :, None]               # [B, n, 1, r]
+        pred = jnp.concatenate([anchor, phi[:, :, :-1]], axis=2)    # slot i <- slot i-1
+        if teacher_tokens is not None and replace is not None and spine.teacher_replacement \
+                and layer < spine.replacement_layers:
+            pred = jnp.where(replace[:, :, None, None], self.code(teacher_tokens), pred)
+        delta, gate = self.injection.write(layer, h, phi, pred)
+        not_anchor = (jnp.arange(h.shape[2]) > 0)[None, None, :, None]
+        return h + jnp.where(not_anchor, delta, 0), gate
+
+    # ----- training ---------------------------------------------------------------------------
+    def forward_train(self, tokens, features, anchors, input_embedding, output_embedding,
+                      *, replace=None) -> DraftOutput:
+        """All blocks of each sequence in one pass.
+
+        tokens [B, T]; features [B, T, F] target features at every position; anchors
+        [B, n] block start positions. Block j covers anchors[j] .. anchors[j] + K - 1 and
+        sees context positions < anchors[j]."""
+        b, t = tokens.shape
+        k = self.config.block_size
+        fused = self.fuse(features)
+        ctx_positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+        ctx_kv = [layer.context_kv(fused, ctx_positions) for layer in self.layers]
+        anchor_tokens = jnp.take_along_axis(tokens, anchors, axis=1)
+        positions = anchors[..., None] + jnp.arange(k)
+        ctx_visible = jnp.arange(t)[None, None, :] < anchors[..., None]
+        # Slot i's true predecessor is the token at anchor + i - 1 (slot 1: the anchor).
+        teacher = jnp.take_along_axis(
+            tokens, jnp.clip(positions - 1, 0, t - 1).reshape(b, -1), axis=1).reshape(positions.shape)
+        return self._run(self._block_inputs(anchor_tokens, input_embedding), positions,
+                         ctx_kv, ctx_visible, anchor_tokens, output_embedding,
+                         teacher_tokens=teacher, replace=replace)
+
+    # ----- inference --------------------------------------------------------------------------
+    def create_context(self, batch_size: int, capacity: int) -> KVCache:
+        """The drafter's context cache: per draft layer, K/V of fused target features."""
+        return KVCache.create(self.config.layer_config(), batch_size, capacity, self.dtype)
+
+    def extend_context(self, context: KVCache, features: jax.Array,
+                       num_new: jax.Array) -> KVCache:
+        """Append target features [B, T, F] at each row's end; only the first num_new [B]
+        count (the rest is overwritten later and never visible)."""
+        fused = self.fuse(features)
+        positions = context.lengths[:, None] + jnp.arange(features.shape[1])[None, :]
+        keys, values = [], []
+        for i, layer in enumerate(self.layers):
+            k, v = layer.context_kv(fused, positions)
+            keys.append(write_kv(context.keys[i], k, positions))
+            values.append(write_kv(context.values[i], v, positions))
+        return KVCache(keys=tuple(keys), values=tuple(values), lengths=context.lengths + num_new)
+
+    def draft_block(self, anchor_tokens: jax.Array, context: KVCache, input_embedding,
+                    output_embedding) -> DraftOutput:
+        """One block per row: the anchor [B] sits at position context.lengths (the context
+        holds features for every earlier position). Returns [B, 1, K, ...] outputs."""
+        k = self.config.block_size
+        anchors = context.lengths[:, None]                            # [B, 1]
+        positions = anchors[..., None] + jnp.arange(k)                # [B, 1, K]
+        ctx_visible = jnp.arange(context.capacity)[None, None, :] < anchors[..., None]
+        ctx_kv = list(zip(context.keys, context.values))
+        return self._run(self._block_inputs(anchor_tokens[:, None], input_embedding),
+                         positions, ctx_kv, ctx_visible, anchor_tokens[:, None],
+                         output_embedding)
+
+    # ----- DSpine's decoding head (design doc 2.5) ---------------------------------------------
+    def transition_scores(self, pre_injection: jax.Array, predecessors: jax.Array,
+                          candidate_rows: jax.Array) -> jax.Array:
+        """Scores of successor candidates given each predecessor token.
+
+        pre_injection [..., D] (the transition cache); predecessors [..., P] token ids;
+        candidate_rows [..., C, D] lm_head rows of the candidates -> [..., P, C] float32.
+        Redoes the last layer's write with p = sqrt(r) c_a, then the final norm."""
+        last = self.config.num_hidden_layers - 1
+        phi = self.injection.feature(last, pre_injection)[..., None, :]   # [..., 1, r]
+        h = pre_injection[..., None, :]                                    # [..., 1, D]
+        delta, _ = self.injection.write(last, h, phi, self.code(predecessors))
+        refined = self.norm(h + delta)                                     # [..., P, D]
+        return jnp.einsum("...PD,...CD->...PC", refined, candidate_rows.astype(refined.dtype),
+                          preferred_element_type=jnp.float32)

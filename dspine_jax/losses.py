@@ -1,0 +1,158 @@
+"""Drafter losses and metrics (design doc 1 and 2.3-2.4). Either loss fits either drafter.
+
+Per supervised slot k (k >= 1), weight w_k = exp(-(k - 1) / gamma):
+  backbone     "ce": CE(label)   |   "ce+l1": ce_w * CE + (1 - ce_w) * |softmax - p_target|_1
+  refinement   (DSpine head) top-k candidates of the backbone logits scored with the TRUE
+               predecessor; ce_w * CE (label among them) + (1 - ce_w) * L1 to p_target
+               renormalised over them (skipped below the mass threshold)
+  alignment    sum_l (1 - cos(phi_l(h), c_label)) * beta * warm-up * mean backbone CE (detached)
+Total = sum_slots w * (backbone + refinement + alignment) / sum_slots w.
+
+Shape legend: B batch, n blocks, K block size, V vocab, C candidates, L draft layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from dspine_jax.drafters.config import DrafterConfig
+from dspine_jax.drafters.model import BlockDrafter, DraftOutput
+from dspine_jax.errors import ConfigError
+
+BACKBONE_LOSSES = ("ce", "ce+l1")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    gamma: float = 7.0                 # slot decay (paper: 7 for K=16, 5 for 10, 4 for 8)
+    backbone: str = "ce"               # [switch] "ce" (DFlash) or "ce+l1" (DSpine)
+    ce_weight: float = 0.1
+    refinement: bool = False           # DSpine's decoding-head loss
+    top_k: int = 16
+    candidate_mass_threshold: float = 1e-4
+    alignment_weight: float = 0.0      # beta; 0 disables
+    alignment_warmup_steps: int = 150
+
+    def __post_init__(self):
+        if self.backbone not in BACKBONE_LOSSES:
+            raise ConfigError(f"loss.backbone must be one of {BACKBONE_LOSSES}, "
+                              f"got {self.backbone!r}")
+        if not self.gamma > 0:
+            raise ConfigError(f"loss.gamma must be positive, got {self.gamma!r}")
+
+    @classmethod
+    def for_drafter(cls, config: DrafterConfig, backbone: str | None = None) -> "LossConfig":
+        """The paper's loss for each drafter; `backbone` overrides (the loss-confound
+        baseline is DFlash with backbone="ce+l1")."""
+        gamma = {16: 7.0, 10: 5.0, 8: 4.0}.get(config.block_size, 7.0)
+        spine = config.dspine
+        if spine is None:
+            return cls(gamma=gamma, backbone=backbone or "ce")
+        return cls(gamma=gamma, backbone=backbone or "ce+l1", ce_weight=spine.ce_weight,
+                   refinement=spine.refinement_head, top_k=spine.top_k,
+                   candidate_mass_threshold=spine.candidate_mass_threshold,
+                   alignment_weight=spine.alignment_weight if spine.alignment else 0.0,
+                   alignment_warmup_steps=spine.alignment_warmup_steps)
+
+
+def slot_weights(block_size: int, gamma: float) -> jax.Array:
+    """[K]: 0 for the anchor slot, exp(-(k-1)/gamma) for k >= 1."""
+    k = jnp.arange(block_size, dtype=jnp.float32)
+    return jnp.where(k >= 1, jnp.exp(-(k - 1) / gamma), 0.0)
+
+
+def teacher_replacement_probability(progress, hold: float, end: float, start_p: float):
+    """start_p until `hold` of training, then linearly to 0 at `end`."""
+    progress = jnp.asarray(progress, jnp.float32)
+    ramp = jnp.clip((end - progress) / max(end - hold, 1e-9), 0.0, 1.0)
+    return start_p * jnp.where(progress <= hold, 1.0, ramp)
+
+
+def alignment_scale(step, beta: float, warmup_steps: int):
+    return beta * jnp.minimum(1.0, jnp.asarray(step, jnp.float32) / max(warmup_steps, 1))
+
+
+def drafter_loss(config: LossConfig, drafter: BlockDrafter, out: DraftOutput, labels,
+                 supervised, *, target_logits=None, teacher_tokens=None,
+                 output_embedding=None, step=0):
+    """Scalar loss and a dict of metrics. labels/supervised [B, n, K]; target_logits
+    [B, n, K, V] (needed by L1 terms); teacher_tokens [B, n, K] true predecessors and
+    output_embedding [V, D] (needed by refinement)."""
+    k = labels.shape[-1]
+    w = slot_weights(k, config.gamma) * supervised                      # [B, n, K]
+    total_w = jnp.maximum(jnp.sum(w), 1e-9)
+    logp = jax.nn.log_softmax(out.logits, axis=-1)
+    ce = -jnp.take_along_axis(logp, labels[..., None], -1)[..., 0]     # [B, n, K]
+    needs_target = config.backbone == "ce+l1" or config.refinement
+    if needs_target and target_logits is None:
+        raise ValueError("this loss needs the target's logits (p_target)")
+    p_target = jax.nn.softmax(target_logits, -1) if needs_target else None
+
+    metrics = {"backbone_ce": jnp.sum(ce * w) / total_w}
+    if config.backbone == "ce+l1":
+        l1 = jnp.sum(jnp.abs(jnp.exp(logp) - p_target), -1)
+        backbone = config.ce_weight * ce + (1 - config.ce_weight) * l1
+        metrics["backbone_l1"] = jnp.sum(l1 * w) / total_w
+    else:
+        backbone = ce
+    per_slot = backbone
+
+    candidates = jax.lax.top_k(jax.lax.stop_gradient(out.logits), config.top_k)[1]  # [B,n,K,C]
+    label_in = jnp.any(candidates == labels[..., None], -1)
+    metrics["coverage"] = jnp.sum(label_in * supervised) / jnp.maximum(jnp.sum(supervised), 1)
+
+    if config.refinement:
+        rows = jnp.take(output_embedding, candidates, axis=0)          # [B, n, K, C, D]
+        scores = drafter.transition_scores(out.pre_injection, teacher_tokens[..., None],
+                                           rows)[..., 0, :]            # [B, n, K, C]
+        logq = jax.nn.log_softmax(scores, -1)
+        hit = candidates == labels[..., None]
+        ce_ref = -jnp.sum(jnp.where(hit, logq, 0.0), -1) * label_in
+        p_c = jnp.take_along_axis(p_target, candidates, -1)
+        mass = jnp.sum(p_c, -1)
+        l1_ref = jnp.sum(jnp.abs(jnp.exp(logq) - p_c / jnp.maximum(mass, 1e-12)[..., None]), -1)
+        l1_ref = jnp.where(mass >= config.candidate_mass_threshold, l1_ref, 0.0)
+        refinement = config.ce_weight * ce_ref + (1 - config.ce_weight) * l1_ref
+        per_slot = per_slot + refinement
+        metrics["refinement"] = jnp.sum(refinement * w) / total_w
+        refined_top = jnp.take_along_axis(candidates, jnp.argmax(scores, -1)[..., None], -1)
+        metrics["refined_accuracy"] = _mean_over(refined_top[..., 0] == labels, supervised)
+
+    if config.alignment_weight > 0:
+        codes = drafter.code(labels) / math.sqrt(drafter.config.dspine.transfer_rank)
+        f = out.features                                                # [L, B, n, K, r]
+        cos = jnp.sum(f * codes[None], -1) / jnp.maximum(jnp.linalg.norm(f, axis=-1), 1e-6)
+        misalign = jnp.sum(1.0 - cos, axis=0)                           # [B, n, K]
+        mean_ce = jax.lax.stop_gradient(metrics["backbone_ce"])
+        scale = alignment_scale(step, config.alignment_weight, config.alignment_warmup_steps)
+        per_slot = per_slot + scale * mean_ce * misalign
+        metrics["alignment"] = jnp.sum(misalign * w) / total_w
+
+    loss = jnp.sum(per_slot * w) / total_w
+    metrics.update(slot_metrics(out.logits, labels, supervised))
+    metrics["loss"] = loss
+    if out.gates is not None:
+        metrics["gate_mean"] = jnp.mean(out.gates)
+    return loss, metrics
+
+
+def _mean_over(values, mask):
+    return jnp.sum(values * mask) / jnp.maximum(jnp.sum(mask), 1)
+
+
+def slot_metrics(logits, labels, supervised) -> dict:
+    """Per-slot accuracy [K], the acceptance length those accuracies imply, and the mean
+    accepted prefix measured on the batch's blocks (greedy drafts, T=0)."""
+    correct = (jnp.argmax(logits, -1) == labels) & supervised
+    per_slot = jnp.sum(correct, axis=(0, 1)) / jnp.maximum(jnp.sum(supervised, axis=(0, 1)), 1)
+    per_slot = per_slot.at[0].set(1.0)  # the anchor is always right
+    estimate = jnp.sum(jnp.cumprod(per_slot[1:])) + 1.0
+    full = jnp.all(supervised[..., 1:], -1)                           # blocks with all slots
+    prefix = jnp.sum(jnp.cumprod(correct[..., 1:].astype(jnp.int32), -1), -1) + 1
+    measured = jnp.sum(prefix * full) / jnp.maximum(jnp.sum(full), 1)
+    return {"slot_accuracy": per_slot, "accept_len_estimate": estimate,
+            "accept_len_blocks": measured}
