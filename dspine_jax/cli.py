@@ -8,7 +8,9 @@ from typing import Optional
 
 import typer
 
-from dspine_jax.errors import DSpineError
+import jax.numpy as jnp
+
+from dspine_jax.errors import DSpineError, InputError
 from dspine_jax.registry import DEFAULT_TARGET
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -101,6 +103,70 @@ def info(target: str = typer.Option(DEFAULT_TARGET, help="Built-in name or path.
         _fail(e)
     print(json.dumps({"source": str(loaded.source), "num_params": loaded.config.num_params(),
                       **loaded.config.to_hf()}, indent=2))
+
+
+@app.command("init-drafter")
+def init_drafter(
+    out: str = typer.Option(..., "--out", help="Folder to write (must not exist or be empty)."),
+    target: str = typer.Option(DEFAULT_TARGET, help="Built-in name, HF folder or .gguf file."),
+    kind: str = typer.Option("dspine", help="dflash or dspine."),
+    layers: int = typer.Option(5, min=1, help="Draft layers."),
+    block_size: int = typer.Option(16, min=2),
+    mask_token_id: Optional[int] = typer.Option(None, help="Default: see mask_token_for()."),
+    seed: int = typer.Option(0),
+):
+    """Write a freshly initialised (untrained) drafter for a target."""
+    try:
+        from dspine_jax.checkpoints import load_target
+        from dspine_jax.drafters.checkpoint import save_drafter
+        from dspine_jax.drafters.config import DrafterConfig, mask_token_for
+        from dspine_jax.drafters.model import BlockDrafter
+
+        dest = _empty_folder(out)
+        loaded = load_target(target, dtype="f32")
+        mask = mask_token_id if mask_token_id is not None else mask_token_for(loaded.tokenizer)
+        config = DrafterConfig.for_target(loaded.config, kind=kind, num_layers=layers,
+                                          mask_token_id=mask, block_size=block_size)
+        drafter = BlockDrafter.create(config, loaded.model.output_embedding(), seed=seed)
+        save_drafter(drafter, dest)
+    except DSpineError as e:
+        _fail(e)
+    typer.echo(f"wrote an untrained {kind} drafter ({layers} layers, block {block_size}, "
+               f"target layers {list(config.target_layer_ids)}, mask token {mask}) to {dest}")
+
+
+@app.command()
+def export(
+    drafter: str = typer.Option(..., help="Built-in drafter name or checkpoint folder."),
+    out: str = typer.Option(..., "--out", help="Folder to write (must not exist or be empty)."),
+    format: str = typer.Option("dflash-hf", "--format", help="dflash-hf"),
+    dtype: str = typer.Option("bf16", help="bf16 or f32 tensors."),
+):
+    """Export a drafter in the layout the DFlash reference implementations read."""
+    try:
+        from dspine_jax.checkpoints import resolve_dtype
+        from dspine_jax.drafters.checkpoint import load_drafter, save_drafter
+        from dspine_jax.registry import resolve_drafter
+
+        if format != "dflash-hf":
+            raise InputError(f"unknown export format {format!r}; supported: dflash-hf")
+        source = resolve_drafter(drafter)
+        dest = _empty_folder(out)
+        model = load_drafter(source, dtype=jnp.float32)
+        save_drafter(model, dest, dtype=resolve_dtype(dtype))
+    except DSpineError as e:
+        _fail(e)
+    typer.echo(f"exported {model.config.kind} drafter to {dest} ({format}, {dtype})")
+
+
+def _empty_folder(path: str):
+    """Refuse to write over anything: nothing already written is lost."""
+    from pathlib import Path
+
+    dest = Path(path)
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise InputError(f"{dest} already exists and is not empty; choose another --out")
+    return dest
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -101,7 +101,8 @@ def drafter_loss(config: LossConfig, drafter: BlockDrafter, out: DraftOutput, la
         backbone = ce
     per_slot = backbone
 
-    candidates = jax.lax.top_k(jax.lax.stop_gradient(out.logits), config.top_k)[1]  # [B,n,K,C]
+    num_candidates = min(config.top_k, out.logits.shape[-1])
+    candidates = jax.lax.top_k(jax.lax.stop_gradient(out.logits), num_candidates)[1]  # [B,n,K,C]
     label_in = jnp.any(candidates == labels[..., None], -1)
     metrics["coverage"] = jnp.sum(label_in * supervised) / jnp.maximum(jnp.sum(supervised), 1)
 

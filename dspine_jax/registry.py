@@ -102,3 +102,22 @@ def _check_sha256(path: Path, asset: PackagedFile) -> None:
         raise CheckpointError(f"{path}: sha256 {digest.hexdigest()} does not match "
                               f"{asset.requirement}'s {asset.sha256}; the file is corrupt. "
                               "Delete it and run again.")
+
+
+# Built-in drafters ship with the project once trained (the replication issue).
+BUILTIN_DRAFTERS: dict[str, Path] = {}
+PLANNED_DRAFTERS = ("smollm2-135m-instruct-dflash", "smollm2-135m-instruct-dspine")
+
+
+def resolve_drafter(name_or_path: str) -> Path:
+    if name_or_path in BUILTIN_DRAFTERS:
+        return BUILTIN_DRAFTERS[name_or_path]
+    if name_or_path in PLANNED_DRAFTERS:
+        raise CheckpointError(f"built-in drafter {name_or_path!r} is not shipped yet (it is "
+                              "trained by the replication run); pass a drafter folder, or "
+                              "make an untrained one with `dspine init-drafter`")
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"drafter {name_or_path!r} is neither a built-in name nor an "
+                              "existing folder")
+    return path

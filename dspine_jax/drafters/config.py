@@ -9,6 +9,23 @@ from dspine_jax.config import TargetConfig
 from dspine_jax.errors import ConfigError
 
 
+# Conventional mask tokens first. SmolLM2's vocabulary has no spare row and no mask token:
+# its `<reponame>` (id 4) is a code-pretraining control token (the repository-name marker
+# of StarCoder-style data; SmolLM2 also has `<repo_name>`, id 3) that chat never emits.
+MASK_TOKEN_CANDIDATES = ("<|MASK|>", "<|mask|>", "<mask>", "<MASK>", "<reponame>")
+
+
+def mask_token_for(tokenizer) -> int:
+    """The drafter's mask token id: the first of MASK_TOKEN_CANDIDATES the vocabulary has."""
+    for text in MASK_TOKEN_CANDIDATES:
+        token_id = tokenizer.tokenizer.token_to_id(text)
+        if token_id is not None:
+            return token_id
+    raise ConfigError("the target's vocabulary has none of the known mask tokens "
+                      f"{MASK_TOKEN_CANDIDATES}; pass --mask-token-id with an id the target "
+                      "never generates")
+
+
 def build_target_layer_ids(num_target_layers: int, num_features: int) -> tuple[int, ...]:
     """DFlash's choice: `num_features` layers spread evenly from 1 to L_t - 3 (rounded as
     Python rounds). Qwen3-8B (36 layers), 5 features: (1, 9, 17, 25, 33)."""

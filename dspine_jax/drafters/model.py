@@ -165,7 +165,8 @@ class BlockDrafter(nnx.Module):
         spine = self.config.dspine
         phi = self.injection.feature(layer, h)                      # [B, n, K, r]
         anchor = self.code(anchor_tokens)[:, :, None]               # [B, n, 1, r]
-        pred = jnp.concatenate([anchor, phi[:, :, :-1]], axis=2)    # slot i <- slot i-1
+        # p_1 = the anchor's code, p_i = phi(h_{i-1}) for i >= 2 (slot 0 gets no write).
+        pred = jnp.concatenate([anchor, anchor, phi[:, :, 1:-1]], axis=2)
         if teacher_tokens is not None and replace is not None and spine.teacher_replacement \
                 and layer < spine.replacement_layers:
             pred = jnp.where(replace[:, :, None, None], self.code(teacher_tokens), pred)

@@ -1,0 +1,109 @@
+"""Drafter export/import in the DFlash reference layout: names, config, round trip."""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors import safe_open
+from typer.testing import CliRunner
+
+from dspine_jax.cli import app
+from dspine_jax.drafters.checkpoint import load_drafter, save_drafter
+from dspine_jax.drafters.config import DrafterConfig
+from dspine_jax.errors import CheckpointError, ConfigError
+from tests.test_drafters import ANCHORS, TARGET, TOKENS, features, make
+
+DFLASH_NAMES = ["fc.weight", "hidden_norm.weight", "norm.weight"] + [
+    f"layers.{i}.{n}" for i in range(2) for n in (
+        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+        "input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
+        "mlp.up_proj.weight", "mlp.down_proj.weight")]
+DSPINE_NAMES = ["injection.message.weight", "injection.receiver_gate.weight",
+                "injection.predecessor_gate.weight", "injection.bias", "transfer_codes"] + [
+    f"injection.{part}.{i}.weight" for part in ("readouts", "writes") for i in range(2)]
+
+
+@pytest.fixture(scope="module")
+def target():
+    from dspine_jax.target import TargetModel
+
+    return TargetModel(TARGET, rngs=nnx.Rngs(0))
+
+
+def names(folder):
+    with safe_open(str(folder / "model.safetensors"), framework="numpy") as f:
+        return set(f.keys())
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspine"])
+def test_round_trip_gives_identical_outputs(tmp_path, target, kind):
+    drafter = make(target, kind)
+    save_drafter(drafter, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel" if kind == "dflash" else "DSpineDraftModel"]
+    assert cfg["block_size"] == 4 and cfg["num_hidden_layers"] == 2
+    assert cfg["num_target_layers"] == 6
+    assert cfg["dflash_config"] == {"mask_token_id": 3, "target_layer_ids": [1, 3],
+                                    "block_size": 4}
+    expected = set(DFLASH_NAMES) | (set(DSPINE_NAMES) if kind == "dspine" else set())
+    assert names(tmp_path) == expected
+    if kind == "dspine":
+        assert cfg["dspine_config"]["transfer_rank"] == 32
+    back = load_drafter(tmp_path)
+    assert back.config == drafter.config
+    feats = features(target, drafter, TOKENS)
+    args = (TOKENS, feats, ANCHORS, target.input_embedding(), target.output_embedding())
+    np.testing.assert_array_equal(back.forward_train(*args).logits,
+                                  drafter.forward_train(*args).logits)
+
+
+def test_bf16_export_stays_close(tmp_path, target):
+    drafter = make(target, "dspine")
+    save_drafter(drafter, tmp_path, dtype=jnp.bfloat16)
+    with safe_open(str(tmp_path / "model.safetensors"), framework="numpy") as f:
+        assert str(f.get_tensor("fc.weight").dtype) == "bfloat16"
+    back = load_drafter(tmp_path)
+    feats = features(target, drafter, TOKENS)
+    args = (TOKENS, feats, ANCHORS, target.input_embedding(), target.output_embedding())
+    a, b = back.forward_train(*args).logits, drafter.forward_train(*args).logits
+    assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) < 2e-2
+
+
+def test_cli_export_and_refusals(tmp_path, target):
+    save_drafter(make(target, "dflash"), tmp_path / "src")
+    runner = CliRunner()
+    result = runner.invoke(app, ["export", "--drafter", str(tmp_path / "src"), "--format",
+                                 "dflash-hf", "--out", str(tmp_path / "out"), "--dtype", "f32"])
+    assert result.exit_code == 0, result.output
+    assert names(tmp_path / "out") == set(DFLASH_NAMES)
+    again = runner.invoke(app, ["export", "--drafter", str(tmp_path / "src"),
+                                "--out", str(tmp_path / "out")])
+    assert again.exit_code == 2 and "already exists and is not empty" in again.output
+    builtin = runner.invoke(app, ["export", "--drafter", "smollm2-135m-instruct-dflash",
+                                  "--out", str(tmp_path / "x")])
+    assert builtin.exit_code == 2 and "not shipped yet" in builtin.output
+
+
+def test_bad_drafter_checkpoints_are_named(tmp_path, target):
+    save_drafter(make(target, "dspine"), tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["dspine_config"]["transfer_rank"] = 16
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"tensor injection\.\S+ has shape .* but the config"):
+        load_drafter(tmp_path)
+    cfg["dspine_config"]["bogus"] = 1
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="unknown field.*bogus"):
+        load_drafter(tmp_path)
+    del cfg["dspine_config"]["bogus"]
+    del cfg["dflash_config"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="lacks field 'mask_token_id'"):
+        load_drafter(tmp_path)
+    with pytest.raises(ConfigError, match="not a DFlash/DSpine drafter"):
+        DrafterConfig.from_hf({"architectures": ["LlamaForCausalLM"]})

@@ -1,0 +1,253 @@
+"""Losses, schedules and metrics against float64 numpy references; gradient flow."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from dspine_jax.drafters.blocks import block_labels, sample_anchors, target_slot_logits
+from dspine_jax.drafters.model import DraftOutput
+from dspine_jax.losses import (LossConfig, alignment_scale, drafter_loss, slot_metrics,
+                               slot_weights, teacher_replacement_probability)
+from tests.test_drafters import ANCHORS, K, TARGET, TOKENS, features, make
+
+
+@pytest.fixture(scope="module")
+def target():
+    from dspine_jax.target import TargetModel
+
+    return TargetModel(TARGET, rngs=nnx.Rngs(0))
+
+
+def softmax64(x):
+    x = np.asarray(x, np.float64)
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def rms_norm64(x, w, eps):
+    return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * w
+
+
+def test_slot_weights_and_schedules():
+    np.testing.assert_allclose(slot_weights(16, 7.0),
+                               [0] + [math.exp(-(k - 1) / 7) for k in range(1, 16)], rtol=1e-6)
+    p = [float(teacher_replacement_probability(x, 1 / 6, 1 / 3, 0.5))
+         for x in (0.0, 0.1, 1 / 6, 0.25, 1 / 3, 0.6)]
+    np.testing.assert_allclose(p, [0.5, 0.5, 0.5, 0.25, 0.0, 0.0], atol=1e-6)
+    assert [float(alignment_scale(s, 0.5, 150)) for s in (0, 75, 150, 400)] == [0, 0.25, 0.5, 0.5]
+    assert LossConfig.for_drafter(make_config("dflash")).backbone == "ce"
+    spine = LossConfig.for_drafter(make_config("dspine"))
+    assert (spine.backbone, spine.refinement, spine.alignment_weight, spine.gamma) == \
+        ("ce+l1", True, 0.5, 7.0)
+    assert LossConfig.for_drafter(make_config("dflash"), backbone="ce+l1").backbone == "ce+l1"
+
+
+def make_config(kind):
+    from dspine_jax.drafters.config import DrafterConfig
+    from tests.test_drafters import SPINE
+
+    return DrafterConfig.for_target(TARGET, kind=kind, mask_token_id=3, dspine=SPINE)
+
+
+def test_block_labels_stop_at_the_first_non_response_slot():
+    tokens = jnp.arange(12)[None]
+    mask = jnp.asarray([[0, 0, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1]], bool)
+    labels, sup = block_labels(tokens, mask, jnp.asarray([[1, 6, 9]]),
+                               jnp.asarray([[True, True, False]]), 4)
+    np.testing.assert_array_equal(labels[0, 0], [1, 2, 3, 4])
+    np.testing.assert_array_equal(sup[0], [[0, 1, 1, 1],   # 2, 3, 4 are response tokens
+                                           [0, 1, 1, 1],   # 7, 8, 9
+                                           [0, 0, 0, 0]])  # invalid anchor
+    _, sup = block_labels(tokens, mask, jnp.asarray([[3, 9, 10]]), jnp.ones((1, 3), bool), 4)
+    np.testing.assert_array_equal(sup[0], [[0, 1, 0, 0],   # 5 is prompt: stop there
+                                           [0, 1, 1, 0],   # runs off the sequence
+                                           [0, 1, 0, 0]])
+
+
+def test_sample_anchors_only_where_the_next_token_is_supervised():
+    mask = jnp.asarray([[0, 0, 0, 1, 1, 1, 1, 0], [0, 1, 0, 0, 0, 0, 0, 0]], bool)
+    anchors, valid = sample_anchors(jax.random.key(0), mask, 3)
+    assert sorted(np.asarray(anchors[0]).tolist()) == np.asarray(anchors[0]).tolist()
+    assert set(np.asarray(anchors[0]).tolist()) <= {2, 3, 4, 5} and valid[0].all()
+    assert np.asarray(anchors[1][valid[1]]).tolist() == [0] and valid[1].sum() == 1
+
+
+def test_target_slot_logits_read_the_position_before_each_slot(target):
+    out = target(TOKENS)
+    got = target_slot_logits(out.final_hidden, ANCHORS, K, target.output_embedding())
+    for b in range(2):
+        for j in range(3):
+            for k in range(K):
+                pos = min(max(int(ANCHORS[b, j]) + k - 1, 0), TOKENS.shape[1] - 1)
+                np.testing.assert_allclose(got[b, j, k], out.logits[b, pos], rtol=1e-5, atol=1e-5)
+
+
+def fake_output(seed, b=2, n=3, v=11):
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(size=(b, n, K, v)).astype(np.float32) * 2
+    return DraftOutput(logits=jnp.asarray(logits), hidden=None, pre_injection=None,
+                       features=None, gates=None), rng
+
+
+@pytest.mark.parametrize("backbone", ["ce", "ce+l1"])
+def test_backbone_loss_matches_reference(backbone):
+    out, rng = fake_output(0)
+    labels = rng.integers(0, 11, size=(2, 3, K))
+    sup = rng.random((2, 3, K)) > 0.3
+    sup[..., 0] = False
+    target_logits = rng.normal(size=(2, 3, K, 11)).astype(np.float32)
+    config = LossConfig(gamma=3.0, backbone=backbone, ce_weight=0.1)
+    loss, metrics = drafter_loss(config, None, out, jnp.asarray(labels), jnp.asarray(sup),
+                                 target_logits=jnp.asarray(target_logits))
+    q = softmax64(out.logits)
+    ce = -np.log(np.take_along_axis(q, labels[..., None], -1)[..., 0])
+    per = ce if backbone == "ce" else 0.1 * ce + 0.9 * np.abs(q - softmax64(target_logits)).sum(-1)
+    w = np.where(np.arange(K) >= 1, np.exp(-(np.arange(K) - 1) / 3.0), 0) * sup
+    assert float(loss) == pytest.approx((per * w).sum() / w.sum(), rel=1e-5)
+    assert float(metrics["backbone_ce"]) == pytest.approx((ce * w).sum() / w.sum(), rel=1e-5)
+
+
+def test_slot_metrics_on_a_hand_built_block():
+    labels = jnp.asarray([[[0, 1, 2, 3], [0, 1, 2, 3]]])
+    predicted = np.asarray([[[0, 1, 2, 0], [0, 1, 0, 3]]])     # prefixes 3 and 2 (bonus incl.)
+    logits = jax.nn.one_hot(predicted, 4) * 5
+    sup = jnp.asarray([[[0, 1, 1, 1], [0, 1, 1, 1]]], bool)
+    m = slot_metrics(logits, labels, sup)
+    np.testing.assert_allclose(m["slot_accuracy"], [1, 1, 0.5, 0.5])
+    assert float(m["accept_len_blocks"]) == pytest.approx((3 + 2) / 2)
+    assert float(m["accept_len_estimate"]) == pytest.approx(1 + 1 + 0.5 + 0.25)
+
+
+def reference_transition_scores(drafter, pre, pred_tokens, rows):
+    """Float64 numpy: redo the last layer's write with p = sqrt(r) c_a, final norm, dot."""
+    inj = drafter.injection
+    last = drafter.config.num_hidden_layers - 1
+    r = drafter.config.dspine.transfer_rank
+    f = lambda x: np.asarray(x, np.float64)  # noqa: E731
+    h = f(pre)
+    z = h @ f(inj.readouts[last].weight[...]).T
+    phi = math.sqrt(r) * z / np.linalg.norm(z, axis=-1, keepdims=True)
+    p = math.sqrt(r) * f(drafter.transfer_codes[...])[pred_tokens]        # [..., P, r]
+    gate = 1 / (1 + np.exp(-(phi[..., None, :] @ f(inj.receiver_gate.weight[...]).T
+                             + p @ f(inj.predecessor_gate.weight[...]).T + f(inj.bias[...]))))
+    msg = p @ f(inj.message.weight[...]).T
+    rms = np.sqrt(np.mean(h * h, -1, keepdims=True))[..., None, :]
+    refined = h[..., None, :] + rms * ((gate * msg) @ f(inj.writes[last].weight[...]).T)
+    refined = rms_norm64(refined, f(drafter.norm.weight[...]), drafter.config.rms_norm_eps)
+    return np.einsum("...PD,...CD->...PC", refined, f(rows))
+
+
+def test_transition_scores_match_reference(target):
+    drafter = make(target, "dspine")
+    drafter.injection.predecessor_gate.weight[...] = jax.random.normal(
+        jax.random.key(3), drafter.injection.predecessor_gate.weight.shape) * 0.1
+    rng = np.random.default_rng(1)
+    pre = rng.normal(size=(2, 3, 64)).astype(np.float32)
+    preds = rng.integers(0, 97, size=(2, 3, 5))
+    cands = rng.integers(0, 97, size=(2, 3, 4))
+    rows = np.asarray(target.output_embedding())[cands]
+    got = drafter.transition_scores(jnp.asarray(pre), jnp.asarray(preds), jnp.asarray(rows))
+    ref = reference_transition_scores(drafter, pre, preds, rows)
+    assert got.shape == (2, 3, 5, 4)
+    np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-5)
+    # Different predecessors give different scores: the head is predecessor-conditioned.
+    assert not np.allclose(got[..., 0, :], got[..., 1, :])
+
+
+def dspine_batch(target, drafter):
+    feats = features(target, drafter, TOKENS)
+    loss_mask = jnp.arange(TOKENS.shape[1])[None, :] >= 3
+    loss_mask = jnp.broadcast_to(loss_mask, TOKENS.shape)
+    anchors, valid = ANCHORS, jnp.ones(ANCHORS.shape, bool)
+    labels, sup = block_labels(TOKENS, loss_mask, anchors, valid, K)
+    tgt = target(TOKENS)
+    tlogits = target_slot_logits(tgt.final_hidden, anchors, K, target.output_embedding())
+    positions = anchors[..., None] + jnp.arange(K)
+    teacher = jnp.take_along_axis(TOKENS, jnp.clip(positions - 1, 0, 23).reshape(2, -1),
+                                  1).reshape(positions.shape)
+    return feats, anchors, labels, sup, tlogits, teacher
+
+
+def test_refinement_and_alignment_terms_match_reference(target):
+    drafter = make(target, "dspine")
+    feats, anchors, labels, sup, tlogits, teacher = dspine_batch(target, drafter)
+    out = drafter.forward_train(TOKENS, feats, anchors, target.input_embedding(),
+                                target.output_embedding())
+    config = LossConfig(gamma=7.0, backbone="ce+l1", ce_weight=0.1, refinement=True, top_k=4,
+                        alignment_weight=0.5, alignment_warmup_steps=10)
+    loss, m = drafter_loss(config, drafter, out, labels, sup, target_logits=tlogits,
+                           teacher_tokens=teacher, output_embedding=target.output_embedding(),
+                           step=5)
+    # Reference for the refinement term, slot by slot.
+    logits, lab, sp = map(np.asarray, (out.logits, labels, sup))
+    cands = np.argsort(-logits, -1)[..., :4]
+    rows = np.asarray(target.output_embedding())[cands]
+    scores = reference_transition_scores(drafter, np.asarray(out.pre_injection),
+                                         np.asarray(teacher)[..., None], rows)[..., 0, :]
+    q = softmax64(scores)
+    p = softmax64(tlogits)
+    p_c = np.take_along_axis(p, cands, -1)
+    hit = cands == lab[..., None]
+    ce_ref = np.where(hit.any(-1), -np.log((q * hit).sum(-1) + (~hit.any(-1))), 0)
+    l1 = np.abs(q - p_c / p_c.sum(-1, keepdims=True)).sum(-1)
+    l1 = np.where(p_c.sum(-1) >= 1e-4, l1, 0)
+    ref = 0.1 * ce_ref + 0.9 * l1
+    w = np.where(np.arange(K) >= 1, np.exp(-(np.arange(K) - 1) / 7.0), 0) * sp
+    assert float(m["refinement"]) == pytest.approx((ref * w).sum() / w.sum(), rel=1e-3)
+    # Alignment: sum over layers of 1 - cos(phi_l, c_label).
+    codes = np.asarray(drafter.transfer_codes[...], np.float64)[lab]
+    f = np.asarray(out.features, np.float64)
+    cos = (f * codes).sum(-1) / np.linalg.norm(f, axis=-1)
+    mis = (1 - cos).sum(0)
+    assert float(m["alignment"]) == pytest.approx((mis * w).sum() / w.sum(), rel=1e-4)
+    assert 0 <= float(m["coverage"]) <= 1
+
+
+def test_gradients_reach_only_trainable_parameters(target):
+    drafter = make(target, "dspine")
+    feats, anchors, labels, sup, tlogits, teacher = dspine_batch(target, drafter)
+    config = LossConfig.for_drafter(drafter.config)
+    config = dataclasses.replace(config, top_k=4, alignment_warmup_steps=1)
+    e_in, e_out = target.input_embedding(), target.output_embedding()
+
+    def loss_fn(model, e_in, e_out):
+        out = model.forward_train(TOKENS, feats, anchors, e_in, e_out)
+        return drafter_loss(config, model, out, labels, sup, target_logits=tlogits,
+                            teacher_tokens=teacher, output_embedding=e_out, step=10)[0]
+
+    grads = nnx.grad(loss_fn, argnums=nnx.DiffState(0, nnx.Param))(drafter, e_in, e_out)
+    names = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(grads)}
+    assert "transfer_codes" not in names          # the code table is not trainable
+    flat = {".".join(map(str, p)): np.asarray(v[...]) for p, v in nnx.to_flat_state(grads)}
+    for name in ("fc.weight", "layers.0.self_attn.q_proj.weight", "layers.1.mlp.down_proj.weight",
+                 "injection.writes.0.weight", "injection.readouts.0.weight", "norm.weight"):
+        assert np.abs(flat[name]).sum() > 0, name
+
+    codes_before = np.asarray(drafter.transfer_codes[...])
+    optimizer = nnx.Optimizer(drafter, optax.adamw(1e-2), wrt=nnx.Param)
+    optimizer.update(drafter, grads)
+    np.testing.assert_array_equal(drafter.transfer_codes[...], codes_before)
+    # The target's tables are arguments, not drafter state: they cannot be updated.
+    state_names = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(drafter))}
+    assert not any("embed" in n or "lm_head" in n for n in state_names)
+
+
+@pytest.mark.parametrize("kind,backbone", [("dflash", "ce+l1"), ("dspine", "ce")])
+def test_either_loss_with_either_drafter(target, kind, backbone):
+    drafter = make(target, kind)
+    feats, anchors, labels, sup, tlogits, teacher = dspine_batch(target, drafter)
+    config = dataclasses.replace(LossConfig.for_drafter(drafter.config, backbone=backbone),
+                                 top_k=4)
+    out = drafter.forward_train(TOKENS, feats, anchors, target.input_embedding(),
+                                target.output_embedding())
+    loss, m = drafter_loss(config, drafter, out, labels, sup, target_logits=tlogits,
+                           teacher_tokens=teacher, output_embedding=target.output_embedding())
+    assert np.isfinite(float(loss)) and ("backbone_l1" in m) == (backbone == "ce+l1")
