@@ -1,0 +1,257 @@
+"""What every decoder shares: request checks, shape buckets, ahead-of-time compilation,
+the device-side step loop, token emission (EOS, budget) and the host streaming loop.
+
+A decoder defines three things: the caches it needs, a prefill that returns the first
+token, and one step (one target pass) that proposes tokens for `emit`. Prefill and the
+step loop are compiled once per shape bucket (batch, prompt length and budget rounded up
+to powers of two), before timing starts, so `seconds` never includes compilation.
+`steps_per_call` steps run per host round trip in a `lax.while_loop`.
+
+Shape legend: B batch, P padded prompt, N output buffer, E tokens a step may emit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from dspine_jax.errors import InputError
+from dspine_jax.sampling import SamplingParams
+from dspine_jax.target import TargetModel
+
+MIN_BUCKET = 16
+
+
+def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
+    """Round up to a power of two so a handful of shapes cover every request."""
+    return max(minimum, 1 << max(0, n - 1).bit_length())
+
+
+@struct.dataclass
+class DecodeState:
+    caches: tuple             # the decoder's caches (target KV, drafter context, ...)
+    last_token: jax.Array     # [B] the token emitted last: the next step's input
+    output: jax.Array         # [B, N] emitted tokens
+    num_generated: jax.Array  # [B]
+    done: jax.Array           # [B] bool
+    budget: jax.Array         # [B] max new tokens per row
+    pass_lengths: jax.Array   # [B, N] tokens emitted by each target pass after prefill
+    num_passes: jax.Array     # [B]
+    rng: jax.Array
+
+
+@dataclasses.dataclass
+class Generation:
+    tokens: list[int]          # generated ids only (EOS included when it ended the row)
+    prompt_tokens: int
+    finish_reason: str         # "stop" (EOS) or "length"
+    accept_lengths: list[int]  # tokens emitted per target pass after prefill
+
+    @property
+    def mean_accept_length(self) -> float:
+        return float(np.mean(self.accept_lengths)) if self.accept_lengths else 0.0
+
+
+@dataclasses.dataclass
+class PreparedBatch:
+    prefill: Callable[[], DecodeState]
+    decode: Callable[[DecodeState], DecodeState]  # steps_per_call target passes per call
+    compile_seconds: float
+
+
+@dataclasses.dataclass
+class BatchResult:
+    generations: list[Generation]
+    seconds: float             # prefill + decode wall time, compilation excluded
+    compile_seconds: float
+
+
+def emit(state: DecodeState, tokens: jax.Array, count: jax.Array, next_input: jax.Array,
+         eos: jax.Array, ignore_eos) -> DecodeState:
+    """Append tokens[:, :count] [B, E] to each active row, cut at the first EOS and at
+    the budget; finished rows change nothing."""
+    b, e = tokens.shape
+    active = ~state.done
+    j = jnp.arange(e)[None, :]
+    is_eos = jnp.any(tokens[..., None] == eos, -1) & (j < count[:, None]) & ~ignore_eos
+    hit = jnp.any(is_eos, -1)
+    count = jnp.where(hit, jnp.argmax(is_eos, -1) + 1, count)
+    count = jnp.minimum(count, state.budget - state.num_generated)
+    count = jnp.where(active, count, 0)
+    slots = jnp.where(j < count[:, None], state.num_generated[:, None] + j, state.output.shape[1])
+    rows = jnp.arange(b)[:, None]
+    output = state.output.at[rows, slots].set(tokens, mode="drop")
+    num = state.num_generated + count
+    pass_slot = jnp.where(active, state.num_passes, state.pass_lengths.shape[1])
+    return state.replace(
+        output=output, num_generated=num,
+        done=state.done | (active & (hit | (num >= state.budget))),
+        last_token=jnp.where(active, next_input, state.last_token),
+        pass_lengths=state.pass_lengths.at[jnp.arange(b), pass_slot].set(count, mode="drop"),
+        num_passes=state.num_passes + active)
+
+
+class BatchDecoder:
+    """Base of the autoregressive generator and the speculative engine."""
+
+    extra_capacity = 0  # cache positions a step writes past the last emitted token
+
+    def __init__(self, target: TargetModel, *, eos_token_ids: Sequence[int] = (),
+                 steps_per_call: int = 8):
+        self.config = target.config
+        self.dtype = target.dtype
+        self.target_graph, self.target_params = nnx.split(target)
+        self.eos = jnp.asarray(list(eos_token_ids) or [-1], jnp.int32)
+        self.steps_per_call = steps_per_call
+        self._compiled: dict[tuple, Callable] = {}
+
+    # ----- what a decoder defines --------------------------------------------------------
+    def params(self) -> tuple:
+        return (self.target_params,)
+
+    def create_caches(self, batch_size: int, capacity: int) -> tuple:
+        raise NotImplementedError
+
+    def prefill_step(self, params, tokens, lengths, caches, sampling, rng):
+        """-> (first token [B], caches after the prompt)."""
+        raise NotImplementedError
+
+    def step(self, params, state: DecodeState, sampling, ignore_eos) -> DecodeState:
+        """One target pass: propose tokens and `emit` them."""
+        raise NotImplementedError
+
+    def target(self, params):
+        return nnx.merge(self.target_graph, params[0])
+
+    # ----- compiled pieces ---------------------------------------------------------------
+    def _prefill_fn(self, params, tokens, lengths, caches, sampling, budget, rng, ignore_eos,
+                    out_len):
+        b = tokens.shape[0]
+        rng, key = jax.random.split(rng)
+        first, caches = self.prefill_step(params, tokens, lengths, caches, sampling, key)
+        state = DecodeState(
+            caches=caches, last_token=first, output=jnp.zeros((b, out_len), jnp.int32),
+            num_generated=jnp.zeros((b,), jnp.int32), done=jnp.zeros((b,), bool),
+            budget=budget, pass_lengths=jnp.zeros((b, out_len), jnp.int32),
+            num_passes=jnp.zeros((b,), jnp.int32), rng=rng)
+        state = emit(state, first[:, None], jnp.ones((b,), jnp.int32), first, self.eos,
+                     ignore_eos)
+        return state.replace(num_passes=jnp.zeros_like(state.num_passes))  # prefill: no pass
+
+    def _decode_fn(self, params, state, sampling, ignore_eos, num_steps):
+        def body(carry):
+            i, s = carry
+            return i + 1, self.step(params, s, sampling, ignore_eos)
+
+        _, state = jax.lax.while_loop(lambda c: (c[0] < num_steps) & ~jnp.all(c[1].done), body,
+                                      (jnp.int32(0), state))
+        return state
+
+    def _compile(self, key, fn, *args, static=(), donate=()):
+        if key not in self._compiled:
+            jitted = jax.jit(fn, static_argnames=static, donate_argnames=donate)
+            self._compiled[key] = jitted.lower(*args).compile()
+        return self._compiled[key]
+
+    # ----- public API ----------------------------------------------------------------------
+    def check_request(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+        if not prompts:
+            raise InputError("no prompts given")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        context = self.config.max_position_embeddings
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise InputError(f"prompt {i} is empty after tokenization")
+            if len(p) + max_new_tokens + self.extra_capacity > context:
+                raise InputError(
+                    f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens}"
+                    + (f" and a {self.extra_capacity}-token verify block"
+                       if self.extra_capacity else "")
+                    + f" it needs {len(p) + max_new_tokens + self.extra_capacity} positions, "
+                    f"past the model's context of {context}. Shorten the prompt or lower "
+                    "max_new_tokens.")
+            bad = [t for t in p if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise InputError(f"prompt {i} has token ids outside the vocabulary "
+                                 f"[0, {self.config.vocab_size}): {bad[:5]}")
+
+    def prepare(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
+                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                seed: int = 0, ignore_eos: bool = False) -> PreparedBatch:
+        """Check the request, pad it into its shape bucket and compile (once per bucket).
+        Returns the two stages as closures so callers (and benchmarks) can drive them."""
+        self.check_request(prompts, max_new_tokens)
+        b = len(prompts)
+        sampling = SamplingParams.create(b, temperature, top_p, top_k)
+        longest = max(len(p) for p in prompts)
+        prompt_len = bucket(longest)
+        out_len = bucket(max_new_tokens)
+        capacity = min(bucket(longest + max_new_tokens + self.extra_capacity),
+                       self.config.max_position_embeddings)
+        tokens = np.zeros((b, prompt_len), np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, :len(p)] = p
+        lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
+        budget = jnp.full((b,), max_new_tokens, jnp.int32)
+        rng = jax.random.key(seed)
+        ignore = jnp.asarray(ignore_eos)
+        params = self.params()
+
+        def args():  # fresh caches per call: prefill donates them
+            return (params, tokens, lengths, self.create_caches(b, capacity), sampling,
+                    budget, rng, ignore)
+
+        t0 = time.perf_counter()
+        prefill = self._compile(("prefill", b, prompt_len, capacity, out_len),
+                                self._prefill_fn, *args(), out_len, static=("out_len",),
+                                donate=("caches",))
+        state = jax.eval_shape(functools.partial(self._prefill_fn, out_len=out_len), *args())
+        decode = self._compile(("decode", b, capacity, out_len), self._decode_fn, params,
+                               state, sampling, ignore, self.steps_per_call,
+                               static=("num_steps",), donate=("state",))
+        return PreparedBatch(prefill=lambda: prefill(*args()),
+                             decode=lambda s: decode(params, s, sampling, ignore),
+                             compile_seconds=time.perf_counter() - t0)
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
+                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                 seed: int = 0, ignore_eos: bool = False,
+                 on_tokens: Callable[[int, list[int]], None] | None = None) -> BatchResult:
+        """Generate for a batch of token-id prompts. `on_tokens(row, new_ids)` streams."""
+        run = self.prepare(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                           top_p=top_p, top_k=top_k, seed=seed, ignore_eos=ignore_eos)
+        b = len(prompts)
+        t0 = time.perf_counter()
+        state = run.prefill()
+        emitted = [0] * b
+        while True:
+            num, done, output = jax.device_get((state.num_generated, state.done, state.output))
+            if on_tokens is not None:
+                for row in range(b):
+                    if num[row] > emitted[row]:
+                        on_tokens(row, output[row, emitted[row]:num[row]].tolist())
+            emitted = num.tolist()
+            if done.all():
+                break
+            state = run.decode(state)
+        seconds = time.perf_counter() - t0
+        passes, lengths = jax.device_get((state.num_passes, state.pass_lengths))
+
+        eos = set(np.asarray(self.eos).tolist())
+        generations = []
+        for row in range(b):
+            ids = output[row, :num[row]].tolist()
+            reason = "stop" if ids and ids[-1] in eos and not ignore_eos else "length"
+            generations.append(Generation(tokens=ids, prompt_tokens=len(prompts[row]),
+                                          finish_reason=reason,
+                                          accept_lengths=lengths[row, :passes[row]].tolist()))
+        return BatchResult(generations=generations, seconds=seconds,
+                           compile_seconds=run.compile_seconds)

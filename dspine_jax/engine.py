@@ -1,0 +1,102 @@
+"""Speculative decoding with a DFlash or DSpine drafter: lossless, batched, compiled once.
+
+Invariant between steps, per row: the target cache and the drafter context hold
+positions 0 .. L-1; the anchor (the last emitted token) sits at position L.
+One step = three separable stages:
+  draft   one drafter pass over [anchor, MASK...] -> K-1 draft tokens and their q
+  verify  one target pass over [anchor, drafts] -> p at every position, target features
+  accept  the verification rule keeps n drafts and adds one target token; the target
+          cache rolls back to L + n + 1, the drafter context gains the features of
+          positions L .. L + n, and the target's token becomes the next anchor.
+Rows advance by different amounts; finished rows are frozen.
+
+Shape legend: B batch, K block size, V vocab, F fused feature width.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dspine_jax.decoding import BatchDecoder, DecodeState, emit
+from dspine_jax.drafters.model import BlockDrafter
+from dspine_jax.kv_cache import KVCache
+from dspine_jax.sampling import sample_tokens, target_probabilities
+from dspine_jax.spec.propose import Proposal, propose
+from dspine_jax.spec.verify import Verdict, verify
+from dspine_jax.target import TargetModel
+
+
+class SpeculativeEngine(BatchDecoder):
+    def __init__(self, target: TargetModel, drafter: BlockDrafter, *,
+                 eos_token_ids: Sequence[int] = (), steps_per_call: int = 4):
+        drafter.config.check_target(target.config)
+        super().__init__(target, eos_token_ids=eos_token_ids, steps_per_call=steps_per_call)
+        self.drafter_config = drafter.config
+        self.block_size = drafter.config.block_size
+        self.extra_capacity = self.block_size  # verify writes a whole block past the anchor
+        self.layer_ids = tuple(drafter.config.target_layer_ids)
+        self.drafter_graph, self.drafter_params = nnx.split(drafter)
+
+    def params(self) -> tuple:
+        return (self.target_params, self.drafter_params)
+
+    def drafter(self, params) -> BlockDrafter:
+        return nnx.merge(self.drafter_graph, params[1])
+
+    def create_caches(self, batch_size: int, capacity: int) -> tuple:
+        context = KVCache.create(self.drafter_config.layer_config(), batch_size, capacity,
+                                 self.dtype)
+        return (KVCache.create(self.config, batch_size, capacity, self.dtype), context)
+
+    def _features(self, hidden_states: jax.Array) -> jax.Array:
+        """[L, B, T, D] target layers -> [B, T, L * D], the drafter's feature layout."""
+        return jnp.concatenate(list(hidden_states), axis=-1)
+
+    def prefill_step(self, params, tokens, lengths, caches, sampling, rng):
+        target_cache, context = caches
+        out = self.target(params)(tokens, target_cache, hidden_layer_ids=self.layer_ids,
+                                  logits_at=(lengths - 1)[:, None])
+        first = sample_tokens(out.logits[:, 0], sampling, rng)
+        context = self.drafter(params).extend_context(context, self._features(out.hidden_states),
+                                                      lengths)
+        return first, (out.cache.replace(lengths=lengths), context)
+
+    # ----- the three stages ------------------------------------------------------------------
+    def draft(self, params, state: DecodeState, sampling, rng) -> Proposal:
+        drafter, target = self.drafter(params), self.target(params)
+        e_out = target.output_embedding()
+        out = drafter.draft_block(state.last_token, state.caches[1], target.input_embedding(),
+                                  e_out)
+        return propose(drafter, out, state.last_token, e_out, sampling, rng)
+
+    def verify(self, params, state: DecodeState, proposal: Proposal, sampling, rng):
+        block = jnp.concatenate([state.last_token[:, None], proposal.tokens], axis=1)
+        out = self.target(params)(block, state.caches[0], hidden_layer_ids=self.layer_ids)
+        p = target_probabilities(out.logits, sampling)
+        return verify(proposal.tokens, proposal.q, p, rng), out
+
+    def accept(self, params, state: DecodeState, proposal: Proposal, verdict: Verdict,
+               target_out, ignore_eos) -> DecodeState:
+        target_cache, context = state.caches
+        active = ~state.done
+        n = verdict.num_accepted
+        kept = jnp.where(active, n + 1, 0)             # anchor + accepted drafts enter caches
+        target_cache = target_out.cache.replace(lengths=target_cache.lengths + kept)
+        context = self.drafter(params).extend_context(
+            context, self._features(target_out.hidden_states), kept)
+        # Emitted: the accepted drafts, then the target's token.
+        tokens = jnp.concatenate([proposal.tokens, jnp.zeros_like(proposal.tokens[:, :1])], 1)
+        tokens = tokens.at[jnp.arange(tokens.shape[0]), n].set(verdict.next_token)
+        state = state.replace(caches=(target_cache, context))
+        return emit(state, tokens, n + 1, verdict.next_token, self.eos, ignore_eos)
+
+    def step(self, params, state: DecodeState, sampling, ignore_eos) -> DecodeState:
+        rng, draft_key, verify_key = jax.random.split(state.rng, 3)
+        state = state.replace(rng=rng)
+        proposal = self.draft(params, state, sampling, draft_key)
+        verdict, target_out = self.verify(params, state, proposal, sampling, verify_key)
+        return self.accept(params, state, proposal, verdict, target_out, ignore_eos)

@@ -1,0 +1,53 @@
+"""The verification rule: which drafted tokens the target keeps, and the token it adds.
+
+Speculative sampling (Leviathan et al.; Chen et al.): draft token d_i (from q_i) is kept
+with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection the target samples
+from norm(max(0, p_i - q_i)); if every draft is kept it samples a bonus token from the
+next p. The output then follows p exactly.
+
+Greedy decoding is the same rule with one-hot p (the target's argmax) and one-hot q (the
+draft): keep while d_i equals the target's choice, then emit the target's choice. So one
+code path serves T = 0 and T > 0, row by row.
+
+Shape legend: B batch, K block size (anchor + K - 1 drafts), V vocab.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class Verdict:
+    num_accepted: jax.Array  # [B] drafts kept, 0 .. K-1
+    next_token: jax.Array    # [B] the target's token after them (correction or bonus)
+
+
+def residual(p: jax.Array, q: jax.Array) -> jax.Array:
+    """norm(max(0, p - q)) over the last axis; falls back to p where p <= q everywhere
+    (then no rejection can have happened, but the value must stay a distribution)."""
+    r = jnp.maximum(p - q, 0.0)
+    total = jnp.sum(r, -1, keepdims=True)
+    return jnp.where(total > 0, r / jnp.maximum(total, 1e-30), p)
+
+
+def verify(draft_tokens: jax.Array, q: jax.Array, p: jax.Array, rng: jax.Array) -> Verdict:
+    """draft_tokens [B, K-1]; q [B, K-1, V] the drafter's distributions they came from;
+    p [B, K, V] the target's distributions after the anchor and after each draft."""
+    b, n = draft_tokens.shape
+    p_draft = jnp.take_along_axis(p[:, :-1], draft_tokens[..., None], -1)[..., 0]
+    q_draft = jnp.take_along_axis(q, draft_tokens[..., None], -1)[..., 0]
+    accept_key, sample_key = jax.random.split(rng)
+    u = jax.random.uniform(accept_key, (b, n))
+    # u < p/q, written without division (q_draft > 0 for any token q could draft).
+    kept = u * q_draft < p_draft
+    num_accepted = jnp.sum(jnp.cumprod(kept.astype(jnp.int32), axis=1), axis=1)
+    rows = jnp.arange(b)
+    p_next = p[rows, num_accepted]                                      # [B, V]
+    q_next = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], 1)[rows, num_accepted]
+    all_kept = (num_accepted == n)[:, None]
+    dist = jnp.where(all_kept, p_next, residual(p_next, q_next))
+    next_token = jax.random.categorical(sample_key, jnp.log(dist), axis=-1).astype(jnp.int32)
+    return Verdict(num_accepted=num_accepted.astype(jnp.int32), next_token=next_token)
