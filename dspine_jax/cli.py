@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -24,8 +25,13 @@ def _fail(error: Exception) -> None:
 
 @app.command()
 def generate(
-    prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text."),
+    prompts_file: Optional[Path] = typer.Option(
+        None, "--prompts-file", help='JSONL, one {"prompt": ..., "chat": true|false} per line.'),
     target: str = typer.Option(DEFAULT_TARGET, help="Built-in name, HF folder or .gguf file."),
+    method: str = typer.Option("ar", help="ar, dflash or dspine."),
+    drafter: Optional[str] = typer.Option(
+        None, help="Drafter name or folder (default: the built-in one for the target)."),
     chat: bool = typer.Option(False, "--chat", help="Apply the checkpoint's chat template."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", min=1),
     temperature: float = typer.Option(0.0, help="0 is greedy."),
@@ -33,63 +39,68 @@ def generate(
     top_k: int = typer.Option(0, "--top-k", help="0 disables."),
     seed: int = typer.Option(0),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Run to max-new-tokens."),
+    batch_size: int = typer.Option(8, "--batch-size", min=1, help="Prompts decoded together."),
     dtype: str = typer.Option("auto", help="auto, bf16 or f32."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per prompt on stdout."),
 ):
-    """Generate text from a prompt with the target model (autoregressive)."""
+    """Generate text: autoregressive, or speculative with a DFlash or DSpine drafter."""
     try:
-        from dspine_jax.checkpoints import load_target
-        from dspine_jax.generate import AutoregressiveGenerator
+        from dspine_jax.api import Pipeline, Prompt
         from dspine_jax.sampling import validate_sampling
 
         validate_sampling(temperature, top_p, top_k)
-        loaded = load_target(target, dtype=dtype)
-        tok = loaded.tokenizer
-        ids = (tok.encode_chat([{"role": "user", "content": prompt}]) if chat
-               else tok.encode(prompt))
-        generator = AutoregressiveGenerator(loaded.model, eos_token_ids=tok.eos_token_ids)
-        streamer = None if as_json else _Streamer(tok)
-        result = generator.generate(
-            [ids], max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-            top_k=top_k, seed=seed, ignore_eos=ignore_eos,
-            on_tokens=None if streamer is None else streamer.push)
+        if (prompt is None) == (prompts_file is None):
+            raise InputError("give exactly one of --prompt and --prompts-file")
+        prompts = ([Prompt(prompt, chat)] if prompt is not None
+                   else read_prompts_file(prompts_file, chat))
+        pipe = Pipeline.load(target, drafter, method=method, dtype=dtype)
+        options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                       top_k=top_k, seed=seed, ignore_eos=ignore_eos)
+        if as_json or len(prompts) > 1:
+            for result in pipe.generate(prompts, batch_size=batch_size, **options):
+                print(json.dumps(result.to_json(pipe.method)) if as_json else result.text)
+            return
+        stream = pipe.stream(prompts[0], **options)
+        while True:
+            try:
+                sys.stdout.write(next(stream))
+                sys.stdout.flush()
+            except StopIteration as finished:
+                result = finished.value
+                break
     except DSpineError as e:
         _fail(e)
-    gen = result.generations[0]
-    if as_json:
-        print(json.dumps({
-            "text": tok.decode(gen.tokens), "tokens": gen.tokens,
-            "num_tokens": len(gen.tokens), "prompt_tokens": gen.prompt_tokens,
-            "finish_reason": gen.finish_reason, "seconds": round(result.seconds, 4),
-            "tokens_per_second": round(len(gen.tokens) / result.seconds, 2),
-            "compile_seconds": round(result.compile_seconds, 2), "method": "ar",
-            "target": str(loaded.source),
-        }))
-    else:
-        streamer.close()
-        typer.echo(f"[{len(gen.tokens)} tokens in {result.seconds:.2f}s, "
-                   f"{len(gen.tokens) / result.seconds:.1f} tok/s, "
-                   f"compile {result.compile_seconds:.1f}s]", err=True)
+    print()
+    rate = result.num_tokens / max(result.seconds, 1e-9)
+    accept = (f", mean acceptance length {result.mean_accept_length:.2f}"
+              if pipe.method != "ar" else "")
+    typer.echo(f"[{pipe.method}: {result.num_tokens} tokens in {result.seconds:.2f}s, "
+               f"{rate:.1f} tok/s{accept}, compile {result.compile_seconds:.1f}s]", err=True)
 
 
-class _Streamer:
-    """Prints decoded text as tokens arrive, holding back incomplete UTF-8 sequences."""
+def read_prompts_file(path: Path, default_chat: bool):
+    """JSONL prompts; a malformed line is an error naming its number."""
+    from dspine_jax.api import Prompt
 
-    def __init__(self, tokenizer):
-        self.tok, self.ids, self.printed = tokenizer, [], 0
-
-    def push(self, row: int, ids: list[int]) -> None:
-        self.ids.extend(ids)
-        text = self.tok.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return  # a multi-byte character is still incomplete
-        sys.stdout.write(text[self.printed:])
-        sys.stdout.flush()
-        self.printed = len(text)
-
-    def close(self) -> None:
-        sys.stdout.write(self.tok.decode(self.ids)[self.printed:] + "\n")
-        sys.stdout.flush()
+    if not path.is_file():
+        raise InputError(f"{path}: no such prompts file")
+    prompts = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{path}:{number}: not valid JSON ({e.msg})") from e
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise InputError(f'{path}:{number}: expected an object with a string "prompt"')
+        chat = record.get("chat", default_chat)
+        if not isinstance(chat, bool):
+            raise InputError(f'{path}:{number}: "chat" must be true or false')
+        prompts.append(Prompt(record["prompt"], chat))
+    if not prompts:
+        raise InputError(f"{path}: no prompts")
+    return prompts
 
 
 @app.command()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -221,11 +221,24 @@ class BatchDecoder:
                              decode=lambda s: decode(params, s, sampling, ignore),
                              compile_seconds=time.perf_counter() - t0)
 
-    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
-                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                 seed: int = 0, ignore_eos: bool = False,
-                 on_tokens: Callable[[int, list[int]], None] | None = None) -> BatchResult:
-        """Generate for a batch of token-id prompts. `on_tokens(row, new_ids)` streams."""
+    def generate(self, prompts: Sequence[Sequence[int]], *,
+                 on_tokens: Callable[[int, list[int]], None] | None = None,
+                 **options) -> BatchResult:
+        """Generate for a batch of token-id prompts; `on_tokens(row, new_ids)` streams.
+        Options: max_new_tokens, temperature, top_p, top_k, seed, ignore_eos."""
+        events = self.stream(prompts, **options)
+        while True:
+            try:
+                row, ids = next(events)
+            except StopIteration as finished:
+                return finished.value
+            if on_tokens is not None:
+                on_tokens(row, ids)
+
+    def stream(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
+               temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+               ignore_eos: bool = False) -> Iterator[tuple[int, list[int]]]:
+        """Yield (row, new token ids) as they arrive; the generator returns the BatchResult."""
         run = self.prepare(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                            top_p=top_p, top_k=top_k, seed=seed, ignore_eos=ignore_eos)
         b = len(prompts)
@@ -234,10 +247,9 @@ class BatchDecoder:
         emitted = [0] * b
         while True:
             num, done, output = jax.device_get((state.num_generated, state.done, state.output))
-            if on_tokens is not None:
-                for row in range(b):
-                    if num[row] > emitted[row]:
-                        on_tokens(row, output[row, emitted[row]:num[row]].tolist())
+            for row in range(b):
+                if num[row] > emitted[row]:
+                    yield row, output[row, emitted[row]:num[row]].tolist()
             emitted = num.tolist()
             if done.all():
                 break

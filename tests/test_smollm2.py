@@ -103,3 +103,23 @@ def test_cli_generate_json(smollm2_path):
     assert out["num_tokens"] == len(out["tokens"]) == 6
     assert out["tokens"][0] == 7042 and "Paris" in out["text"]  # " Paris"
     assert out["seconds"] > 0
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspine"])
+def test_speculative_greedy_equals_ar_with_an_untrained_drafter(ours, kind):
+    """Losslessness cannot depend on drafter quality."""
+    from dspine_jax.drafters.config import DrafterConfig, mask_token_for
+    from dspine_jax.drafters.model import BlockDrafter
+    from dspine_jax.engine import SpeculativeEngine
+
+    config = DrafterConfig.for_target(ours.config, kind=kind, num_layers=2,
+                                      mask_token_id=mask_token_for(ours.tokenizer))
+    drafter = BlockDrafter.create(config, ours.model.output_embedding(), seed=0)
+    eos = ours.tokenizer.eos_token_ids
+    prompts = [ours.tokenizer.encode(PROMPTS[0]), ours.tokenizer.encode_chat(CHATS[0])]
+    want = AutoregressiveGenerator(ours.model, eos_token_ids=eos).generate(
+        prompts, max_new_tokens=20)
+    got = SpeculativeEngine(ours.model, drafter, eos_token_ids=eos).generate(
+        prompts, max_new_tokens=20)
+    for w, g in zip(want.generations, got.generations):
+        assert g.tokens == w.tokens

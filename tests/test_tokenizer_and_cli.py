@@ -64,3 +64,56 @@ def test_cli_streams_text(tiny_llama_dir):
                                       "0.8", "--top-k", "20", "--seed", "3"])
     assert result.exit_code == 0, result.output
     assert "5 tokens in" in result.output
+
+
+@pytest.fixture(scope="module")
+def tiny_drafters(tiny_llama_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("drafters")
+    for kind in ("dflash", "dspine"):
+        result = CliRunner().invoke(app, [
+            "init-drafter", "--target", str(tiny_llama_dir), "--kind", kind, "--layers", "1",
+            "--block-size", "4", "--mask-token-id", "5", "--out", str(root / kind)])
+        assert result.exit_code == 0, result.output
+    return root
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspine"])
+def test_cli_speculative_prompts_file_equals_ar(tiny_llama_dir, tiny_drafters, tmp_path, kind):
+    lines = ['{"prompt": "hello world", "chat": true}', '{"prompt": "the quick brown fox"}',
+             '', '{"prompt": "def f(x):", "chat": false}']
+    (tmp_path / "p.jsonl").write_text("\n".join(lines))
+    common = ["generate", "--target", str(tiny_llama_dir), "--prompts-file",
+              str(tmp_path / "p.jsonl"), "-n", "9", "--json", "--ignore-eos", "--batch-size", "2"]
+    ar = CliRunner().invoke(app, common)
+    spec = CliRunner().invoke(app, common + ["--method", kind, "--drafter",
+                                             str(tiny_drafters / kind)])
+    assert ar.exit_code == 0 and spec.exit_code == 0, spec.output
+    ar_rows = [json.loads(x) for x in ar.stdout.strip().splitlines()]
+    spec_rows = [json.loads(x) for x in spec.stdout.strip().splitlines()]
+    assert len(spec_rows) == 3
+    for a, s in zip(ar_rows, spec_rows):
+        assert s["tokens"] == a["tokens"] and s["method"] == kind
+        assert sum(s["accept_lengths"]) == s["num_tokens"] - 1
+        assert s["mean_accept_length"] >= 1 and s["tokens_per_second"] > 0
+
+
+@pytest.mark.parametrize("content,message", [
+    ('{"prompt": "a"}\nnot json', "p.jsonl:2: not valid JSON"),
+    ('{"text": "a"}', 'p.jsonl:1: expected an object with a string "prompt"'),
+    ('{"prompt": "a", "chat": "yes"}', 'p.jsonl:1: "chat" must be true or false'),
+    ("", "p.jsonl: no prompts")])
+def test_cli_bad_prompts_file(tiny_llama_dir, tmp_path, content, message):
+    (tmp_path / "p.jsonl").write_text(content)
+    result = CliRunner().invoke(app, ["generate", "--target", str(tiny_llama_dir),
+                                      "--prompts-file", str(tmp_path / "p.jsonl")])
+    assert result.exit_code == 2 and message in result.output
+
+
+def test_cli_method_and_drafter_must_match(tiny_llama_dir, tiny_drafters):
+    result = CliRunner().invoke(app, ["generate", "--target", str(tiny_llama_dir), "-p", "hi",
+                                      "--method", "dflash", "--drafter",
+                                      str(tiny_drafters / "dspine")])
+    assert result.exit_code == 2 and "is a dspine drafter" in result.output
+    result = CliRunner().invoke(app, ["generate", "--target", str(tiny_llama_dir), "-p", "hi",
+                                      "--method", "beam"])
+    assert result.exit_code == 2 and "method must be one of ar, dflash, dspine" in result.output

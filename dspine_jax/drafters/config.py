@@ -150,7 +150,15 @@ class DrafterConfig:
             rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta,
             rope_scaling=target.rope_scaling,
             max_position_embeddings=target.max_position_embeddings,
-            dspine=(dspine or DSpineConfig()) if kind == "dspine" else None)
+            dspine=(dspine or cls.default_dspine(target.hidden_size))
+            if kind == "dspine" else None)
+
+    @staticmethod
+    def default_dspine(hidden_size: int) -> DSpineConfig:
+        """r = 512, m = 256 (our SmolLM2 choice; the paper's 1024/512 is for H >= 2560),
+        shrunk for narrower targets since r may not exceed H."""
+        rank = min(512, hidden_size)
+        return DSpineConfig(transfer_rank=rank, message_size=max(1, min(256, rank // 2)))
 
     def check_target(self, target: TargetConfig) -> None:
         """A drafter only runs on the target it was built for: say which field disagrees."""
