@@ -1,0 +1,151 @@
+"""Speculative decoding step time: AR vs DFlash vs DSpine in one engine, split by stage.
+
+  python benchmarks/spec_step.py --target preset:qwen3-8b --batch 1 8 32 --out spec.jsonl
+
+For each method and batch size it times, on a state after prefill:
+  step     the compiled decode loop, `--steps-per-call` target passes per host round
+           trip with a host sync after each call (what generate() does), per pass;
+  draft    the drafter pass + proposal (DSpine: top-k, transition table, chain walk);
+  verify   the target pass over the block + the verification rule;
+  accept   step - draft - verify: cache bookkeeping, context extension, emission.
+Drafters are freshly initialised (5 layers at the target's width, block 16): step times do
+not depend on their weights, acceptance does, so the implied speedup is reported at
+tau = 4, 6, 8 as tau * t_AR / t_step. The floor is the bytes a pass must read (target +
+drafter weights and both caches) over the copy bandwidth measured in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from datetime import date
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.decode_step import jax_copy_bandwidth, load_jax_target, step_bytes
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--target", default="preset:smollm2-135m")
+    p.add_argument("--methods", nargs="+", default=["ar", "dflash", "dspine"])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--steps-per-call", type=int, default=8)
+    p.add_argument("--calls", type=int, default=4)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--draft-layers", type=int, default=5)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--no-stages", action="store_true", help="skip the per-stage split")
+    p.add_argument("--out", default=None)
+    return p.parse_args()
+
+
+def median_seconds(fn, repeats):
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def make_decoder(method, model, config, args):
+    from dspine_jax.drafters.config import DrafterConfig
+    from dspine_jax.drafters.model import BlockDrafter
+    from dspine_jax.engine import SpeculativeEngine
+    from dspine_jax.generate import AutoregressiveGenerator
+
+    if method == "ar":
+        return AutoregressiveGenerator(model, steps_per_call=args.steps_per_call), 0
+    dconfig = DrafterConfig.for_target(config, kind=method, num_layers=args.draft_layers,
+                                       mask_token_id=1, block_size=args.block_size)
+    drafter = BlockDrafter.create(dconfig, model.output_embedding(), dtype=model.dtype)
+    drafter_params = sum(x.size for x in jax.tree.leaves(
+        __import__("flax").nnx.state(drafter)))
+    return SpeculativeEngine(model, drafter, steps_per_call=args.steps_per_call), drafter_params
+
+
+def bench(method, b, model, config, dtype, bandwidth, args):
+    from dspine_jax.sampling import SamplingParams
+
+    decoder, drafter_params = make_decoder(method, model, config, args)
+    passes = args.calls * args.steps_per_call
+    prompts = np.random.default_rng(0).integers(0, config.vocab_size,
+                                                size=(b, args.prompt_len)).tolist()
+    run = decoder.prepare(prompts, max_new_tokens=(passes + 2) * args.steps_per_call
+                          * (args.block_size if method != "ar" else 1), ignore_eos=True)
+
+    def loop():
+        state = run.decode(run.prefill())
+        jax.block_until_ready(state)
+        t0 = time.perf_counter()
+        for _ in range(args.calls):
+            state = run.decode(state)
+            jax.device_get(state.num_generated)
+        return (time.perf_counter() - t0) / passes
+
+    loop()
+    step = statistics.median(loop() for _ in range(args.repeats))
+    itemsize = np.dtype(dtype).itemsize
+    context = args.prompt_len + passes
+    floor_bytes = step_bytes(config, b, context, itemsize) + drafter_params * itemsize
+    row = dict(method=method, batch=b, steps_per_call=args.steps_per_call,
+               step_ms=step * 1e3, floor_ms=floor_bytes / bandwidth * 1e3)
+
+    if method != "ar" and not args.no_stages:
+        params = decoder.params()
+        sampling = SamplingParams.create(b, 0.0)
+        state = run.prefill()
+        key = jax.random.key(0)
+        draft = jax.jit(lambda p, s: decoder.draft(p, s, sampling, key))
+        proposal = draft(params, state)
+        verify = jax.jit(lambda p, s, pr: decoder.verify(p, s, pr, sampling, key))
+        row["draft_ms"] = median_seconds(
+            lambda: jax.block_until_ready(draft(params, state)), args.repeats) * 1e3
+        row["verify_ms"] = median_seconds(
+            lambda: jax.block_until_ready(verify(params, state, proposal)), args.repeats) * 1e3
+        row["accept_ms"] = row["step_ms"] - row["draft_ms"] - row["verify_ms"]
+    return row
+
+
+def main():
+    args = parse_args()
+    model, config, dtype = load_jax_target(args.target, args.dtype)
+    bandwidth = jax_copy_bandwidth()
+    rows = []
+    for b in args.batch:
+        ar_ms = None
+        for method in args.methods:
+            row = bench(method, b, model, config, dtype, bandwidth, args)
+            if method == "ar":
+                ar_ms = row["step_ms"]
+            elif ar_ms is not None:
+                for tau in (4, 6, 8):
+                    row[f"speedup_tau{tau}"] = tau * ar_ms / row["step_ms"]
+            row.update(target=args.target, prompt_len=args.prompt_len,
+                       block_size=args.block_size, draft_layers=args.draft_layers,
+                       bandwidth_GBps=bandwidth / 1e9, device=str(jax.devices()[0]),
+                       date=str(date.today()))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+    print(f"\n{'method':8} {'B':>3} {'step ms':>9} {'floor':>7} {'draft':>7} {'verify':>7} "
+          f"{'accept':>7} {'x@tau4':>7} {'x@tau6':>7} {'x@tau8':>7}")
+    for r in rows:
+        f = lambda k: f"{r[k]:7.2f}" if k in r else "      -"  # noqa: E731
+        print(f"{r['method']:8} {r['batch']:3d} {r['step_ms']:9.3f} {f('floor_ms')} "
+              f"{f('draft_ms')} {f('verify_ms')} {f('accept_ms')} {f('speedup_tau4')} "
+              f"{f('speedup_tau6')} {f('speedup_tau8')}")
+
+
+if __name__ == "__main__":
+    main()
