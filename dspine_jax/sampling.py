@@ -21,6 +21,9 @@ class SamplingParams:
     temperature: jax.Array  # [B] float32; 0 means greedy
     top_p: jax.Array        # [B] float32 in (0, 1]; 1 disables
     top_k: jax.Array        # [B] int32; 0 disables
+    # Static: every row is greedy, so no sort over the vocabulary is traced at all
+    # (a batch compiles once per value of this flag).
+    all_greedy: bool = struct.field(pytree_node=False, default=False)
 
     @classmethod
     def create(cls, batch_size: int, temperature: float = 0.0, top_p: float = 1.0,
@@ -28,7 +31,7 @@ class SamplingParams:
         validate_sampling(temperature, top_p, top_k)
         full = lambda v, dt: jnp.full((batch_size,), v, dt)  # noqa: E731
         return cls(full(temperature, jnp.float32), full(top_p, jnp.float32),
-                   full(top_k, jnp.int32))
+                   full(top_k, jnp.int32), all_greedy=temperature == 0)
 
 
 def validate_sampling(temperature: float, top_p: float, top_k: int) -> None:
@@ -72,6 +75,8 @@ def warp_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
 def sample_tokens(logits: jax.Array, params: SamplingParams, rng: jax.Array) -> jax.Array:
     """logits [B, V] -> tokens [B] int32: argmax where temperature is 0, else a sample."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if params.all_greedy:
+        return greedy
     sampled = jax.random.categorical(rng, warp_logits(logits, params), axis=-1)
     return jnp.where(params.temperature > 0, sampled.astype(jnp.int32), greedy)
 
@@ -80,5 +85,7 @@ def target_probabilities(logits: jax.Array, params: SamplingParams) -> jax.Array
     """The distribution sampling draws from: softmax of the warped logits, or the argmax's
     one-hot at temperature 0. [B, ..., V] float32."""
     one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1])
+    if params.all_greedy:
+        return one_hot
     warped = jax.nn.softmax(warp_logits(logits, params), axis=-1)
     return jnp.where(_per_row(params.temperature, logits.ndim) > 0, warped, one_hot)

@@ -29,6 +29,9 @@ class Proposal:
 
 def _sample(logits: jax.Array, sampling: SamplingParams, rng: jax.Array):
     """Per-row: argmax and its one-hot at T = 0, else a draw from the warped softmax."""
+    if sampling.all_greedy:
+        greedy = jnp.argmax(logits, -1)
+        return greedy.astype(jnp.int32), jax.nn.one_hot(greedy, logits.shape[-1])
     warped = warp_logits(logits, sampling)
     probs = jax.nn.softmax(warped, -1)
     greedy = jnp.argmax(logits, -1)
