@@ -79,28 +79,10 @@ def generate(
 
 
 def read_prompts_file(path: Path, default_chat: bool):
-    """JSONL prompts; a malformed line is an error naming its number."""
     from dspine_jax.api import Prompt
+    from dspine_jax.data.prompts import jsonl_prompts
 
-    if not path.is_file():
-        raise InputError(f"{path}: no such prompts file")
-    prompts = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{path}:{number}: not valid JSON ({e.msg})") from e
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-            raise InputError(f'{path}:{number}: expected an object with a string "prompt"')
-        chat = record.get("chat", default_chat)
-        if not isinstance(chat, bool):
-            raise InputError(f'{path}:{number}: "chat" must be true or false')
-        prompts.append(Prompt(record["prompt"], chat))
-    if not prompts:
-        raise InputError(f"{path}: no prompts")
-    return prompts
+    return [Prompt(p["prompt"], p["chat"]) for p in jsonl_prompts(path, default_chat=default_chat)]
 
 
 @app.command()
@@ -168,6 +150,71 @@ def export(
     except DSpineError as e:
         _fail(e)
     typer.echo(f"exported {model.config.kind} drafter to {dest} ({format}, {dtype})")
+
+
+data_app = typer.Typer(no_args_is_help=True, help="Training data jobs.")
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("regenerate")
+def data_regenerate(
+    out: Path = typer.Option(..., "--out", help="Dataset folder (resumed if it exists)."),
+    target: str = typer.Option(DEFAULT_TARGET, help="Built-in name, HF folder or .gguf file."),
+    source: str = typer.Option("sharegpt", help="sharegpt (training split), "
+                               "sharegpt:heldout, or a JSONL prompts file."),
+    limit: Optional[int] = typer.Option(None, min=1, help="Use the first N prompts."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1),
+    max_prompt_tokens: int = typer.Option(512, "--max-prompt-tokens", min=1,
+                                          help="Longer prompts are skipped (and counted)."),
+    temperature: float = typer.Option(0.0),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    seed: int = typer.Option(0),
+    batch_size: int = typer.Option(32, "--batch-size", min=1),
+    shard_size: int = typer.Option(256, "--shard-size", min=1),
+    dtype: str = typer.Option("auto"),
+):
+    """Regenerate responses with the target itself: the drafters' training data."""
+    try:
+        from dspine_jax.sampling import validate_sampling
+        from train.regenerate import regenerate
+
+        validate_sampling(temperature, top_p, 0)
+        manifest = regenerate(out, target=target, source=source, limit=limit,
+                              max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
+                              temperature=temperature, top_p=top_p, seed=seed,
+                              batch_size=batch_size, shard_size=shard_size, dtype=dtype)
+    except DSpineError as e:
+        _fail(e)
+    shards = [s for s in manifest["shards"] if s["file"]]
+    typer.echo(f"{out}: {sum(s['sequences'] for s in shards)} sequences, "
+               f"{sum(s['response_tokens'] for s in shards)} response tokens in {len(shards)} "
+               f"shards; {manifest['skipped_long_prompts']} prompts skipped as longer than "
+               f"{max_prompt_tokens} tokens")
+
+
+@app.command()
+def train(
+    config: Optional[Path] = typer.Option(None, "--config", help="TOML config file."),
+    overrides: list[str] = typer.Option([], "--set", help="section.key=value (repeatable)."),
+    distributed: bool = typer.Option(False, "--distributed",
+                                     help="Multi-process (TPU pod / multi-host): call "
+                                          "jax.distributed.initialize() first."),
+):
+    """Train a DFlash or DSpine drafter (resumes from the run folder's last checkpoint)."""
+    try:
+        if distributed:
+            import jax
+
+            jax.distributed.initialize()
+        from train.config import load_config
+        from train.trainer import train as run_training
+
+        summary = run_training(load_config(config, overrides))
+    except DSpineError as e:
+        _fail(e)
+    status = "finished" if summary["finished"] else "stopped"
+    typer.echo(f"{status} at step {summary['steps']}; run folder {summary['out']}"
+               + (f"; drafter exported to {summary['drafter']}" if "drafter" in summary else ""))
 
 
 def _empty_folder(path: str):

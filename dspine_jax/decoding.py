@@ -210,11 +210,12 @@ class BatchDecoder:
                     budget, rng, ignore)
 
         t0 = time.perf_counter()
-        prefill = self._compile(("prefill", b, prompt_len, capacity, out_len),
+        greedy = sampling.all_greedy  # greedy batches trace no sampling at all
+        prefill = self._compile(("prefill", b, prompt_len, capacity, out_len, greedy),
                                 self._prefill_fn, *args(), out_len, static=("out_len",),
                                 donate=("caches",))
         state = jax.eval_shape(functools.partial(self._prefill_fn, out_len=out_len), *args())
-        decode = self._compile(("decode", b, capacity, out_len), self._decode_fn, params,
+        decode = self._compile(("decode", b, capacity, out_len, greedy), self._decode_fn, params,
                                state, sampling, ignore, self.steps_per_call,
                                static=("num_steps",), donate=("state",))
         return PreparedBatch(prefill=lambda: prefill(*args()),

@@ -144,12 +144,15 @@ def test_eos_stops_a_row_and_ignore_eos_does_not(model):
 
 
 def test_decoding_does_not_recompile(model):
-    """Two requests in one bucket reuse the compiled prefill and decode."""
+    """Requests in one shape bucket reuse the compiled prefill and decode: one pair for
+    greedy batches, one for sampled ones."""
     gen = AutoregressiveGenerator(model, eos_token_ids=[])
     gen.generate([[1, 2, 3]], max_new_tokens=20)
-    compiled = dict(gen._compiled)
+    gen.generate([[4, 5, 6, 7, 8]], max_new_tokens=25)
+    assert len(gen._compiled) == 2
     gen.generate([[4, 5, 6, 7, 8]], max_new_tokens=25, temperature=0.7, seed=3)
-    assert gen._compiled.keys() == compiled.keys()
+    gen.generate([[9, 9]], max_new_tokens=17, temperature=1.0, top_p=0.5, seed=4)
+    assert len(gen._compiled) == 4
 
 
 def test_sampled_generation_is_seeded(model):

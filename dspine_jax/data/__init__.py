@@ -1,0 +1,1 @@
+"""Prompt sources and token shards shared by training and evaluation."""

@@ -1,0 +1,244 @@
+"""Training pipeline: regenerated data, config errors, sharded steps, exact resume,
+corrupted checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+from typer.testing import CliRunner
+
+from dspine_jax.cli import app
+from dspine_jax.data.prompts import is_held_out
+from dspine_jax.data.shards import load_dataset, read_manifest
+from dspine_jax.errors import CheckpointError, ConfigError, InputError
+from tests.conftest import save_hf_model, write_tiny_tokenizer
+from train.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A tiny Qwen3 target with a tokenizer, a prompts file and its regenerated data."""
+    root = tmp_path_factory.mktemp("train")
+    model = root / "model"
+    model.mkdir()
+    save_hf_model(model, "qwen3", tie_word_embeddings=True, vocab_size=320, num_hidden_layers=4)
+    write_tiny_tokenizer(model, vocab_size=300)
+    with open(root / "prompts.jsonl", "w") as f:
+        for i in range(24):
+            f.write(json.dumps({"prompt": f"the quick brown fox {i}", "chat": i % 2 == 0}) + "\n")
+    result = CliRunner().invoke(app, [
+        "data", "regenerate", "--target", str(model), "--source", str(root / "prompts.jsonl"),
+        "--out", str(root / "data"), "--max-new-tokens", "20", "--batch-size", "8",
+        "--shard-size", "8"])
+    assert result.exit_code == 0, result.output
+    return root
+
+
+def config_text(root: Path, out: Path, steps=4, **sections) -> str:
+    base = {
+        "target": {"name": str(root / "model")},
+        "drafter": {"kind": "dspine", "layers": 2, "block_size": 4, "mask_token_id": 5},
+        "data": {"path": str(root / "data"), "seq_len": 48, "blocks_per_seq": 4},
+        "run": {"out": str(out), "steps": steps, "batch_size": 8, "compute_dtype": "f32",
+                "log_every": 2, "checkpoint_every": 2},
+    }
+    for name, values in sections.items():
+        base.setdefault(name, {}).update(values)
+    lines = []
+    for name, values in base.items():
+        lines.append(f"[{name}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+    return "\n".join(lines) + "\n"
+
+
+def run_cli(*args):
+    return CliRunner().invoke(app, list(args))
+
+
+def drafter_tensors(out: Path) -> dict:
+    return load_file(out / "drafter" / "model.safetensors")
+
+
+def test_regenerated_data_are_the_targets_greedy_responses(workspace):
+    from dspine_jax.api import Pipeline, Prompt
+
+    manifest = read_manifest(workspace / "data")
+    assert [s["prompts"] for s in manifest["shards"]] == [8, 8, 8]
+    sequences = load_dataset(workspace / "data")
+    pipe = Pipeline.load(str(workspace / "model"))
+    ids = pipe.encode(Prompt("the quick brown fox 0", True))
+    want = pipe.decoder.generate([ids], max_new_tokens=20).generations[0].tokens
+    first = sequences[0]
+    assert first.tokens.tolist() == ids + want
+    assert not first.loss_mask[:len(ids)].any() and first.loss_mask[len(ids):].all()
+
+
+def test_regeneration_resumes_and_refuses_other_settings(workspace, tmp_path, monkeypatch):
+    import train.regenerate as regen
+
+    out = tmp_path / "data"
+    real = regen.write_shard
+    calls = []
+
+    def crash_after_first(*args):
+        if calls:
+            raise KeyboardInterrupt  # the job dies while working on its second shard
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(regen, "write_shard", crash_after_first)
+    kw = dict(target=str(workspace / "model"), source=str(workspace / "prompts.jsonl"),
+              max_new_tokens=20, batch_size=8, shard_size=8)
+    with pytest.raises(KeyboardInterrupt):
+        regen.regenerate(out, **kw)
+    first = (out / "shard-00000.npz").stat().st_mtime_ns
+    assert len(read_manifest(out)["shards"]) == 1
+    monkeypatch.setattr(regen, "write_shard", real)
+    regen.regenerate(out, **kw)
+    assert (out / "shard-00000.npz").stat().st_mtime_ns == first   # not redone
+    resumed = load_dataset(out)
+    straight = load_dataset(workspace / "data")
+    assert [s.tokens.tolist() for s in resumed] == [s.tokens.tolist() for s in straight]
+    with pytest.raises(InputError, match="other settings \\(max_new_tokens\\)"):
+        regen.regenerate(out, **{**kw, "max_new_tokens": 10})
+
+
+def test_sharegpt_held_out_split_is_fixed_and_disjoint():
+    ids = [f"conv{i}" for i in range(2000)]
+    held = [i for i in ids if is_held_out(i)]
+    assert 60 < len(held) < 140                       # ~5%
+    assert held == [i for i in ids if is_held_out(i)]  # stable
+
+
+@pytest.mark.slow
+def test_sharegpt_prompts_split():
+    from dspine_jax.data.prompts import sharegpt_prompts
+
+    train_ids = {p["id"] for p in sharegpt_prompts("train")}
+    held = {p["id"] for p in sharegpt_prompts("heldout")}
+    assert len(train_ids) > 15000 and 500 < len(held) < 1200 and not train_ids & held
+
+
+def test_config_errors_are_named(tmp_path):
+    with pytest.raises(ConfigError, match="unknown field run.stepz"):
+        load_config(None, ["run.stepz=3"])
+    with pytest.raises(ConfigError, match="run.batch_size must be int, got str"):
+        load_config(None, ['run.batch_size="eight"'])
+    with pytest.raises(ConfigError, match="optim.lr must be float, got bool"):
+        load_config(None, ["optim.lr=true"])
+    with pytest.raises(ConfigError, match="unknown config section \\[optimizer\\]"):
+        load_config(None, ["optimizer.lr=1.0"])
+    (tmp_path / "bad.toml").write_text("[run\nsteps = 3")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(tmp_path / "bad.toml")
+    result = run_cli("train", "--set", "drafter.layerz=2")
+    assert result.exit_code == 2 and "unknown field drafter.layerz" in result.output
+
+
+def test_training_learns_and_exports(workspace, tmp_path):
+    out = tmp_path / "run"
+    (tmp_path / "c.toml").write_text(config_text(workspace, out, steps=8,
+                                                 optim={"lr": 3e-3, "warmup_ratio": 0.0}))
+    result = run_cli("train", "--config", str(tmp_path / "c.toml"))
+    assert result.exit_code == 0, result.output
+    rows = (out / "metrics.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    losses = [float(r.split(",")[header.index("loss")]) for r in rows[1:]]
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    assert (out / "metrics.png").stat().st_size > 10_000
+    cfg = json.loads((out / "drafter" / "config.json").read_text())
+    assert cfg["architectures"] == ["DSpineDraftModel"] and cfg["num_hidden_layers"] == 2
+    # The exported drafter decodes losslessly with the engine.
+    gen = run_cli("generate", "--target", str(workspace / "model"), "-p", "the quick",
+                  "--method", "dspine", "--drafter", str(out / "drafter"), "-n", "6", "--json",
+                  "--ignore-eos")
+    ar = run_cli("generate", "--target", str(workspace / "model"), "-p", "the quick", "-n",
+                 "6", "--json", "--ignore-eos")
+    assert json.loads(gen.stdout)["tokens"] == json.loads(ar.stdout)["tokens"]
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspine"])
+def test_kill_and_resume_matches_an_uninterrupted_run(workspace, tmp_path, kind):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    for out in (straight, resumed):
+        (out.parent / f"{out.name}.toml").write_text(
+            config_text(workspace, out, steps=6, drafter={"kind": kind}))
+    assert run_cli("train", "--config", str(tmp_path / "straight.toml")).exit_code == 0
+    stopped = run_cli("train", "--config", str(tmp_path / "resumed.toml"), "--set",
+                      "run.stop_after=3")
+    assert stopped.exit_code == 0 and "stopped at step 3" in stopped.output
+    assert not (resumed / "drafter").exists()
+    again = run_cli("train", "--config", str(tmp_path / "resumed.toml"))
+    assert again.exit_code == 0 and "finished at step 6" in again.output
+    a, b = drafter_tensors(straight), drafter_tensors(resumed)
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    changed = run_cli("train", "--config", str(tmp_path / "resumed.toml"), "--set",
+                      "optim.lr=0.1", "--set", "run.steps=8")
+    assert changed.exit_code == 2 and "another configuration" in changed.output
+
+
+def test_corrupted_checkpoint_is_reported_not_restarted(workspace, tmp_path):
+    out = tmp_path / "run"
+    (tmp_path / "c.toml").write_text(config_text(workspace, out, steps=4))
+    assert run_cli("train", "--config", str(tmp_path / "c.toml"), "--set",
+                   "run.stop_after=2").exit_code == 0
+    step_dir = out / "checkpoints" / "2"
+    victims = [p for p in step_dir.rglob("*") if p.is_file() and p.stat().st_size > 0
+               and "state" in str(p)]
+    assert victims
+    for path in victims:
+        path.write_bytes(b"\x00garbage" * 3)
+    before = sorted(p.name for p in (out / "checkpoints").iterdir())
+    result = run_cli("train", "--config", str(tmp_path / "c.toml"))
+    assert result.exit_code == 2
+    assert "checkpoint 2" in result.output and "unreadable" in result.output
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
+
+
+SHARDED = textwrap.dedent("""
+    import os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=" + sys.argv[1]
+    from train.config import load_config
+    from train.trainer import train
+    cfg = load_config(sys.argv[2], sys.argv[3:])
+    train(cfg, progress=False)
+""")
+
+
+def run_sharded(devices: int, config: Path, *overrides: str):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    result = subprocess.run([sys.executable, "-c", SHARDED, str(devices), str(config),
+                             *overrides], capture_output=True, text=True, env=env, cwd=ROOT,
+                            timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_eight_fake_devices_match_one_device(workspace, tmp_path):
+    outs = {"one": tmp_path / "one", "data8": tmp_path / "data8", "fsdp": tmp_path / "fsdp"}
+    meshes = {"one": (1, ["mesh.data=1"]), "data8": (8, ["mesh.data=8"]),
+              "fsdp": (8, ["mesh.data=4", "mesh.fsdp=2"])}
+    for name, out in outs.items():
+        (tmp_path / f"{name}.toml").write_text(config_text(workspace, out, steps=2))
+        devices, overrides = meshes[name]
+        run_sharded(devices, tmp_path / f"{name}.toml", *overrides)
+    one = drafter_tensors(outs["one"])
+    # Same math, different reduction order: Adam's m/sqrt(v) magnifies the float noise of
+    # near-zero gradients, so compare at a fraction of the step size (lr 6e-4), not ulps.
+    for name in ("data8", "fsdp"):
+        other = drafter_tensors(outs[name])
+        for key in one:
+            np.testing.assert_allclose(other[key], one[key], rtol=2e-4, atol=1e-5, err_msg=key)
+    shutil.rmtree(tmp_path)

@@ -1,0 +1,68 @@
+"""Device mesh and sharding rules for training.
+
+Mesh axes: "data" (pure data parallelism) and "fsdp" (data parallel too, but parameters
+and optimizer state are split across it). Batches are split over both axes. A parameter
+is split along its largest dimension that the fsdp axis divides; vectors and anything
+indivisible stay replicated.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from dspine_jax.errors import ConfigError
+
+BATCH_AXES = ("data", "fsdp")
+
+
+def make_mesh(data: int, fsdp: int) -> Mesh:
+    n = jax.device_count()
+    if fsdp < 1 or n % fsdp:
+        raise ConfigError(f"mesh.fsdp={fsdp} must divide the {n} devices")
+    if data == -1:
+        data = n // fsdp
+    if data * fsdp != n:
+        raise ConfigError(f"mesh.data x mesh.fsdp = {data} x {fsdp} must equal the "
+                          f"{n} devices")
+    devices = np.asarray(jax.devices()).reshape(data, fsdp)
+    return Mesh(devices, BATCH_AXES)
+
+
+def param_spec(shape: tuple[int, ...], fsdp: int) -> P:
+    if fsdp == 1 or len(shape) < 2:
+        return P()
+    for dim in sorted(range(len(shape)), key=lambda d: -shape[d]):
+        if shape[dim] % fsdp == 0:
+            spec = [None] * len(shape)
+            spec[dim] = "fsdp"
+            return P(*spec)
+    return P()
+
+
+def shard_tree(tree, mesh: Mesh):
+    """Place every array leaf by the fsdp rule."""
+    fsdp = mesh.shape["fsdp"]
+    return jax.tree.map(
+        lambda x: jax.device_put(x, NamedSharding(mesh, param_spec(x.shape, fsdp)))
+        if hasattr(x, "shape") else x, tree)
+
+
+def tree_shardings(tree, mesh: Mesh):
+    fsdp = mesh.shape["fsdp"]
+    return jax.tree.map(lambda x: NamedSharding(mesh, param_spec(x.shape, fsdp)), tree)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def global_batch(local_rows: np.ndarray, mesh: Mesh) -> jax.Array:
+    """This process's rows of the global batch -> one array sharded over the batch axes
+    (single-process: all rows)."""
+    return jax.make_array_from_process_local_data(batch_sharding(mesh), local_rows)
