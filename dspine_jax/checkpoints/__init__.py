@@ -40,8 +40,10 @@ def resolve_dtype(name: str):
 
 def load_target(name_or_path: str | Path, *, dtype: str = "auto",
                 with_tokenizer: bool = True) -> LoadedTarget:
-    path = resolve_target(str(name_or_path))
     jdtype = resolve_dtype(dtype)
+    if str(name_or_path).startswith("preset:"):
+        return _random_preset(str(name_or_path), jdtype)
+    path = resolve_target(str(name_or_path))
     if path.is_dir():
         config = hf.read_config(path)
         model = build_target(config, hf.tensor_source(path), dtype=jdtype, source=str(path))
@@ -57,6 +59,21 @@ def load_target(name_or_path: str | Path, *, dtype: str = "auto",
         raise CheckpointError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens but the "
                               f"model's vocabulary has {config.vocab_size} rows")
     return LoadedTarget(model=model, tokenizer=tokenizer, config=config, source=path)
+
+
+def _random_preset(name: str, dtype) -> LoadedTarget:
+    """`preset:NAME`: random weights with a published model's shapes and no tokenizer, for
+    benchmarks whose timing does not depend on weight values."""
+    from flax import nnx
+
+    from dspine_jax.config import PRESETS
+
+    key = name.split(":", 1)[1]
+    if key not in PRESETS:
+        raise ConfigError(f"unknown preset {key!r}; known: {', '.join(PRESETS)}")
+    config = PRESETS[key]
+    model = TargetModel(config, dtype=dtype, rngs=nnx.Rngs(0))
+    return LoadedTarget(model=model, tokenizer=None, config=config, source=Path(name))
 
 
 def save_target(model: TargetModel, folder: str | Path) -> None:
