@@ -192,6 +192,23 @@ def data_regenerate(
                f"{max_prompt_tokens} tokens")
 
 
+@data_app.command("features")
+def data_features(
+    config: Optional[Path] = typer.Option(None, "--config", help="The training config."),
+    overrides: list[str] = typer.Option([], "--set", help="section.key=value (repeatable)."),
+    batch_size: int = typer.Option(16, "--batch-size", min=1),
+):
+    """Cache the target's features for a training config (data.cached_features = true)."""
+    try:
+        from train.config import load_config
+        from train.features import cache_features
+
+        folder = cache_features(load_config(config, overrides), batch_size=batch_size)
+    except DSpineError as e:
+        _fail(e)
+    typer.echo(f"cached target features in {folder}")
+
+
 @app.command()
 def train(
     config: Optional[Path] = typer.Option(None, "--config", help="TOML config file."),

@@ -242,3 +242,18 @@ def test_eight_fake_devices_match_one_device(workspace, tmp_path):
         for key in one:
             np.testing.assert_allclose(other[key], one[key], rtol=2e-4, atol=1e-5, err_msg=key)
     shutil.rmtree(tmp_path)
+
+
+def test_cached_features_train_like_online_ones(workspace, tmp_path):
+    online, cached = tmp_path / "online", tmp_path / "cached"
+    (tmp_path / "online.toml").write_text(config_text(workspace, online, steps=2))
+    (tmp_path / "cached.toml").write_text(config_text(workspace, cached, steps=2,
+                                                      data={"cached_features": True}))
+    missing = run_cli("train", "--config", str(tmp_path / "cached.toml"))
+    assert missing.exit_code == 2 and "run `dspine data features`" in missing.output
+    assert run_cli("data", "features", "--config", str(tmp_path / "cached.toml")).exit_code == 0
+    assert run_cli("train", "--config", str(tmp_path / "cached.toml")).exit_code == 0
+    assert run_cli("train", "--config", str(tmp_path / "online.toml")).exit_code == 0
+    a, b = drafter_tensors(online), drafter_tensors(cached)
+    for name in a:  # float16 storage of the features is the only difference
+        np.testing.assert_allclose(b[name], a[name], atol=2e-4, err_msg=name)

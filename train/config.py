@@ -50,6 +50,8 @@ class DataSection:
     path: str = "runs/data"                # a `dspine data regenerate` folder
     seq_len: int = 512                     # longer sequences are cut (counted in the log)
     blocks_per_seq: int = 32               # anchors sampled per sequence, every step
+    cached_features: bool = False          # read `dspine data features` output instead of
+                                           # running the target inside the step
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,6 +35,7 @@ from dspine_jax.errors import CheckpointError, ConfigError, InputError
 from dspine_jax.losses import LossConfig, drafter_loss, teacher_replacement_probability
 from train import sharding
 from train.config import TrainConfig
+from train.features import open_features
 
 
 # ----- data ---------------------------------------------------------------------------------
@@ -65,13 +66,14 @@ class BatchStream:
     def seek(self, position: dict) -> None:
         self.epoch, self.index = position["epoch"], position["index"]
 
-    def next(self) -> tuple[np.ndarray, np.ndarray]:
+    def next(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(tokens, loss_mask, row indices) of the next global batch."""
         if self.index + self.batch_size > len(self.tokens):
             self.epoch, self.index = self.epoch + 1, 0
         order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.tokens))
         rows = order[self.index:self.index + self.batch_size]
         self.index += self.batch_size
-        return self.tokens[rows], self.mask[rows]
+        return self.tokens[rows], self.mask[rows], rows
 
 
 def local_rows(array: np.ndarray) -> np.ndarray:
@@ -139,16 +141,22 @@ def make_step(cfg: TrainConfig, target_graph, drafter_graph, rest, tx, loss_conf
     ids = drafter_config.target_layer_ids
     needs_target = loss_config.backbone == "ce+l1" or loss_config.refinement
 
-    def step(target_params, params, opt_state, step, rng, tokens, loss_mask):
+    def step(target_params, params, opt_state, step, rng, tokens, loss_mask, features=None,
+             final_hidden=None):
+        """features/final_hidden: cached target outputs, else the target runs here."""
         target = nnx.merge(target_graph, target_params)
         rng, anchor_key, replace_key = jax.random.split(rng, 3)
-        out = target(tokens, hidden_layer_ids=ids, return_logits=False)
-        features = jax.lax.stop_gradient(jnp.concatenate(list(out.hidden_states), -1))
+        if features is None:
+            out = target(tokens, hidden_layer_ids=ids, return_logits=False)
+            features = jnp.concatenate(list(out.hidden_states), -1)
+            final_hidden = out.final_hidden
+        features = jax.lax.stop_gradient(features)
+        final_hidden = jax.lax.stop_gradient(final_hidden)
         e_in, e_out = target.input_embedding(), target.output_embedding()
         anchors, valid = sample_anchors(anchor_key, loss_mask, n)
         labels, supervised = block_labels(tokens, loss_mask, anchors, valid, k)
-        target_logits = (target_slot_logits(jax.lax.stop_gradient(out.final_hidden), anchors,
-                                            k, e_out) if needs_target else None)
+        target_logits = (target_slot_logits(final_hidden.astype(e_out.dtype), anchors, k, e_out)
+                         if needs_target else None)
         positions = jnp.clip(anchors[..., None] + jnp.arange(k) - 1, 0, tokens.shape[1] - 1)
         teacher = jnp.take_along_axis(tokens, positions.reshape(tokens.shape[0], -1),
                                       1).reshape(positions.shape)
@@ -343,10 +351,17 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
     bar = tqdm(total=cfg.run.steps, initial=step, disable=not (progress and lead), unit="step",
                desc=f"train {dc.kind}")
     window_start, window_steps, last, timing = time.perf_counter(), 0, {}, False
+    cached = open_features(cfg, dc, len(stream.tokens)) if cfg.data.cached_features else None
     while step < stop_at:
-        tokens, mask = stream.next()
-        batch = (sharding.global_batch(local_rows(tokens), mesh),
-                 sharding.global_batch(local_rows(mask), mesh))
+        tokens, mask, rows = stream.next()
+        batch = [sharding.global_batch(local_rows(tokens), mesh),
+                 sharding.global_batch(local_rows(mask), mesh)]
+        if cached is not None:
+            mine = local_rows(rows)
+            order = np.argsort(mine)  # memory-mapped reads in file order
+            back = np.argsort(order)
+            batch += [sharding.global_batch(np.asarray(a[mine[order]])[back], mesh)
+                      for a in cached]
         params, opt_state, step_arr, rng, metrics = step_fn(
             target_params, params, opt_state, jnp.asarray(step, jnp.int32), rng, *batch)
         step += 1
