@@ -69,12 +69,20 @@ class Pipeline:
     def load(cls, target: str | Path = DEFAULT_TARGET, drafter: str | Path | None = None, *,
              method: str | None = None, dtype: str = "auto",
              steps_per_call: int | None = None) -> "Pipeline":
+        loaded = load_target(target, dtype=dtype)
+        if drafter is None and method not in (None, "ar") and isinstance(target, str):
+            drafter = f"{target}-{method}"  # the built-in drafter for the target
+        return cls.from_loaded(loaded, drafter, method=method, steps_per_call=steps_per_call)
+
+    @classmethod
+    def from_loaded(cls, loaded: LoadedTarget, drafter: str | Path | None = None, *,
+                    method: str | None = None, steps_per_call: int | None = None) -> "Pipeline":
+        """A pipeline over an already loaded target (several drafters share one target)."""
         from dspine_jax.drafters.checkpoint import load_drafter
         from dspine_jax.engine import SpeculativeEngine
         from dspine_jax.generate import AutoregressiveGenerator
 
         method = method or ("ar" if drafter is None else None)
-        loaded = load_target(target, dtype=dtype)
         eos = loaded.tokenizer.eos_token_ids
         if method == "ar":
             decoder = AutoregressiveGenerator(loaded.model, eos_token_ids=eos,
@@ -83,9 +91,7 @@ class Pipeline:
         if method is not None and method not in METHODS:
             raise InputError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
         if drafter is None:
-            drafter = f"{target}-{method}" if isinstance(target, str) else None
-            if drafter is None:
-                raise InputError(f"--method {method} needs --drafter")
+            raise InputError(f"--method {method} needs --drafter")
         model = load_drafter(resolve_drafter(str(drafter)), dtype=loaded.model.dtype)
         if method is not None and model.config.kind != method:
             raise ConfigError(f"--method {method} but the drafter at {drafter} is a "

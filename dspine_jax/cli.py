@@ -85,6 +85,41 @@ def read_prompts_file(path: Path, default_chat: bool):
     return [Prompt(p["prompt"], p["chat"]) for p in jsonl_prompts(path, default_chat=default_chat)]
 
 
+@app.command("eval")
+def evaluate_command(
+    out: Path = typer.Option(..., "--out", help="Folder for results.json/.md and the chart."),
+    target: str = typer.Option(DEFAULT_TARGET, help="Built-in name, HF folder or .gguf file."),
+    drafter: list[str] = typer.Option([], "--drafter", help="Drafter name or folder "
+                                      "(repeatable); AR always runs as the baseline."),
+    benchmarks: str = typer.Option("math500,aime24,aime25,humaneval,mtbench,sharegpt,cnmo",
+                                   help="Comma-separated benchmark names."),
+    temperature: float = typer.Option(0.0),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1),
+    limit: Optional[int] = typer.Option(None, min=1, help="First K prompts per benchmark."),
+    batch_size: int = typer.Option(8, "--batch-size", min=1),
+    seed: int = typer.Option(0),
+    dtype: str = typer.Option("auto"),
+):
+    """Acceptance length, tokens/s and speedup over AR on the benchmark suite."""
+    try:
+        from dspine_jax.evaluation.benchmarks import BENCHMARKS
+        from dspine_jax.evaluation.run import evaluate
+        from dspine_jax.registry import resolve_drafter
+        from dspine_jax.sampling import validate_sampling
+
+        validate_sampling(temperature, 1.0, 0)
+        names = [b.strip() for b in benchmarks.split(",") if b.strip()]
+        unknown = [b for b in names if b not in BENCHMARKS]
+        if unknown:
+            raise InputError(f"unknown benchmark(s) {unknown}; known: {', '.join(BENCHMARKS)}")
+        report = evaluate(target, [str(resolve_drafter(d)) for d in drafter], names, out,
+                          temperature=temperature, max_new_tokens=max_new_tokens, limit=limit,
+                          batch_size=batch_size, seed=seed, dtype=dtype)
+    except DSpineError as e:
+        _fail(e)
+    typer.echo((out / "results.md").read_text())
+
+
 @app.command()
 def info(target: str = typer.Option(DEFAULT_TARGET, help="Built-in name or path.")):
     """Show a target's configuration and where its files are."""

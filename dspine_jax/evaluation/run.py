@@ -1,0 +1,117 @@
+"""`dspine eval`: acceptance length, tokens/s and speedup over AR, per benchmark.
+
+Every method decodes the same prompts with the same engine and settings; AR always runs
+as the baseline. Acceptance length tau = tokens emitted per target verify pass (bonus
+included), pooled over a benchmark's prompts; tokens/s = generated tokens / decode wall
+time (compilation excluded); speedup = a method's tokens/s over AR's on that benchmark.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tqdm import tqdm
+
+from dspine_jax.api import Pipeline, Prompt
+from dspine_jax.checkpoints import load_target
+from dspine_jax.errors import InputError
+from dspine_jax.evaluation.benchmarks import load_benchmark
+
+
+def run_method(pipe: Pipeline, prompts: list[dict], *, batch_size: int, room: int,
+               **options) -> dict:
+    """Decode the prompts of at most `room` tokens (the same set for every method)."""
+    tokens = passes = after_prefill = 0
+    seconds = 0.0
+    encoded = [pipe.encode(Prompt(p["prompt"], p["chat"])) for p in prompts]
+    fitting = [ids for ids in encoded if len(ids) <= room]  # the rest are counted, not cut
+    if not fitting:
+        raise InputError(f"no prompt fits the context with max_new_tokens="
+                         f"{options['max_new_tokens']}; lower it")
+    pipe.decoder.generate(fitting[:batch_size], **options)  # warm-up: compile, allocate
+    for start in range(0, len(fitting), batch_size):
+        chunk = fitting[start:start + batch_size]
+        batch = pipe.decoder.generate(chunk, **options)
+        seconds += batch.seconds
+        for g in batch.generations:
+            tokens += len(g.tokens)
+            passes += len(g.accept_lengths)
+            after_prefill += sum(g.accept_lengths)
+    return {"prompts": len(fitting), "skipped_too_long": len(prompts) - len(fitting),
+            "tokens": tokens, "seconds": seconds,
+            "tokens_per_second": tokens / max(seconds, 1e-9),
+            "accept_length": after_prefill / passes if passes else 1.0}
+
+
+def evaluate(target: str, drafters: list[str], benchmarks: list[str], out: Path, *,
+             temperature: float = 0.0, max_new_tokens: int = 256, limit: int | None = None,
+             batch_size: int = 8, seed: int = 0, dtype: str = "auto") -> dict:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    loaded = load_target(target, dtype=dtype)
+    pipes = {"ar": Pipeline.from_loaded(loaded)}
+    for path in drafters:
+        pipe = Pipeline.from_loaded(loaded, path)
+        label = pipe.method if pipe.method not in pipes else f"{pipe.method}:{Path(path).name}"
+        pipes[label] = pipe
+    options = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    room = (loaded.config.max_position_embeddings - max_new_tokens
+            - max(p.decoder.extra_capacity for p in pipes.values()))
+    table: dict[str, dict[str, dict]] = {}
+    for name in tqdm(benchmarks, desc="benchmarks"):
+        prompts = load_benchmark(name)[:limit]
+        row = {label: run_method(pipe, prompts, batch_size=batch_size, room=room, **options)
+               for label, pipe in pipes.items()}
+        for result in row.values():
+            result["speedup"] = result["tokens_per_second"] / row["ar"]["tokens_per_second"]
+        table[name] = row
+    mean = {label: {key: sum(table[b][label][key] for b in benchmarks) / len(benchmarks)
+                    for key in ("accept_length", "tokens_per_second", "speedup")}
+            for label in pipes}
+    report = {"target": target, "drafters": drafters, "temperature": temperature,
+              "max_new_tokens": max_new_tokens, "limit": limit, "batch_size": batch_size,
+              "benchmarks": table, "mean": mean}
+    (out / "results.json").write_text(json.dumps(report, indent=2))
+    (out / "results.md").write_text(markdown(report))
+    plot(report, out / "acceptance.png")
+    return report
+
+
+def markdown(report: dict) -> str:
+    labels = list(report["mean"])
+    head = "| benchmark | " + " | ".join(f"{m} tau | {m} tok/s | {m} speedup" for m in labels)
+    lines = [head + " |", "|---" * (1 + 3 * len(labels)) + "|"]
+    rows = list(report["benchmarks"].items()) + [("**mean**", report["mean"])]
+    for name, row in rows:
+        cells = [f"{row[m]['accept_length']:.2f} | {row[m]['tokens_per_second']:.1f} | "
+                 f"{row[m]['speedup']:.2f}x" for m in labels]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return (f"Target {report['target']}, T = {report['temperature']}, max_new_tokens "
+            f"{report['max_new_tokens']}, limit {report['limit']}, batch {report['batch_size']}"
+            "\n\n" + "\n".join(lines) + "\n")
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    names = list(report["benchmarks"]) + ["mean"]
+    labels = list(report["mean"])
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4))
+    width = 0.8 / len(labels)
+    for ax, key, title in [(axes[0], "accept_length", "acceptance length (tau)"),
+                           (axes[1], "speedup", "speedup over AR")]:
+        for i, label in enumerate(labels):
+            values = [report["benchmarks"][n][label][key] for n in names[:-1]]
+            values.append(report["mean"][label][key])
+            ax.bar(np.arange(len(names)) + i * width, values, width, label=label)
+        ax.set_xticks(np.arange(len(names)) + width * (len(labels) - 1) / 2, names, rotation=30)
+        ax.set_title(f"{title}, T = {report['temperature']}")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
