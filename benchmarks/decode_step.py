@@ -69,17 +69,9 @@ def jax_copy_bandwidth() -> float:
 
 
 def load_jax_target(name: str, dtype: str):
-    import jax.numpy as jnp
-    from flax import nnx
+    """A built-in name, a path, or `preset:NAME` (random weights, published shapes)."""
+    from dspine_jax.checkpoints import load_target
 
-    from dspine_jax.checkpoints import load_target, resolve_dtype
-    from dspine_jax.config import PRESETS
-    from dspine_jax.target import TargetModel
-
-    if name.startswith("preset:"):
-        config = PRESETS[name.split(":", 1)[1]]
-        jdtype = resolve_dtype(dtype)
-        return TargetModel(config, dtype=jdtype, rngs=nnx.Rngs(0)), config, jdtype
     loaded = load_target(name, dtype=dtype, with_tokenizer=False)
     return loaded.model, loaded.config, loaded.model.dtype
 

@@ -23,10 +23,9 @@ import time
 from datetime import date
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.decode_step import jax_copy_bandwidth, load_jax_target, step_bytes
+from benchmarks.decode_step import jax_copy_bandwidth, load_jax_target, median_time, step_bytes
 
 
 def parse_args():
@@ -44,16 +43,6 @@ def parse_args():
     p.add_argument("--no-stages", action="store_true", help="skip the per-stage split")
     p.add_argument("--out", default=None)
     return p.parse_args()
-
-
-def median_seconds(fn, repeats):
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def make_decoder(method, model, config, args):
@@ -101,7 +90,7 @@ def stage_times(decoder, run, b, args, iterations: int = 16) -> dict:
 
     timed = {"draft_ms": lambda: jax.block_until_ready(drafts(params, state)),
              "verify_ms": lambda: jax.block_until_ready(verifies(params, state, proposal))}
-    return {k: median_seconds(fn, args.repeats) / iterations * 1e3 for k, fn in timed.items()}
+    return {k: median_time(fn, args.repeats) / iterations * 1e3 for k, fn in timed.items()}
 
 
 def bench(method, b, model, config, dtype, bandwidth, args):

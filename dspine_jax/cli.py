@@ -112,9 +112,9 @@ def evaluate_command(
         unknown = [b for b in names if b not in BENCHMARKS]
         if unknown:
             raise InputError(f"unknown benchmark(s) {unknown}; known: {', '.join(BENCHMARKS)}")
-        report = evaluate(target, [str(resolve_drafter(d)) for d in drafter], names, out,
-                          temperature=temperature, max_new_tokens=max_new_tokens, limit=limit,
-                          batch_size=batch_size, seed=seed, dtype=dtype)
+        evaluate(target, [str(resolve_drafter(d)) for d in drafter], names, out,
+                 temperature=temperature, max_new_tokens=max_new_tokens, limit=limit,
+                 batch_size=batch_size, seed=seed, dtype=dtype)
     except DSpineError as e:
         _fail(e)
     typer.echo((out / "results.md").read_text())

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from dspine_jax.cli import app
 from dspine_jax.data.prompts import is_held_out
 from dspine_jax.data.shards import load_dataset, read_manifest
-from dspine_jax.errors import CheckpointError, ConfigError, InputError
+from dspine_jax.errors import ConfigError, InputError
 from tests.conftest import save_hf_model, write_tiny_tokenizer
 from train.config import load_config
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import tomllib
-import types
 import typing
 from pathlib import Path
 from typing import Any

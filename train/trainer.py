@@ -14,7 +14,6 @@ a rerun of the same command resumes exactly where the last checkpoint left off.
 from __future__ import annotations
 
 import csv
-import dataclasses
 import json
 import time
 from pathlib import Path

@@ -17,15 +17,18 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 
-def read_config(folder: Path) -> TargetConfig:
-    path = folder / "config.json"
+def read_config_json(folder: Path, kind: str = "an HF checkpoint folder") -> dict:
+    path = Path(folder) / "config.json"
     if not path.is_file():
-        raise CheckpointError(f"{folder}: no config.json (not an HF checkpoint folder)")
+        raise CheckpointError(f"{folder}: no config.json (not {kind})")
     try:
-        raw = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from e
-    return TargetConfig.from_hf(raw)
+
+
+def read_config(folder: Path) -> TargetConfig:
+    return TargetConfig.from_hf(read_config_json(folder))
 
 
 def tensor_source(folder: Path) -> TensorSource:

@@ -51,14 +51,7 @@ def save_drafter(drafter: BlockDrafter, folder: str | Path, *, dtype=None) -> Pa
 
 
 def read_drafter_config(folder: Path) -> DrafterConfig:
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        raise CheckpointError(f"{folder}: no config.json (not a drafter checkpoint folder)")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
-    return DrafterConfig.from_hf(raw)
+    return DrafterConfig.from_hf(hf.read_config_json(folder, "a drafter checkpoint folder"))
 
 
 def load_drafter(folder: str | Path, *, dtype=jnp.float32) -> BlockDrafter:
