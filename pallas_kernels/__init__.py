@@ -1,6 +1,8 @@
 """Pallas kernels, one folder per op, each beside the pure-JAX reference it must equal.
 
-Kernels import nothing from `dspine_jax`. The first ones (attention over the KV cache,
-DSpine's transition scores) land with the speculative decoding engine; until then every
-op runs as the reference in `dspine_jax.layers`.
+Kernels import nothing from `dspine_jax`. None is written yet: every op runs as its
+reference in `dspine_jax` (attention: `layers.dot_product_attention`; DSpine's transition
+table: `BlockDrafter.transition_scores`). The measured first candidates are a ragged
+attention over the KV cache (dense attention reads the whole cache capacity) and fused
+decode layers for small targets (SmolLM2 decoding is launch-bound; docs/benchmarks.md).
 """
