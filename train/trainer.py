@@ -125,7 +125,10 @@ def flops_per_step(target_config, drafter: BlockDrafter, batch: int, seq_len: in
              + 3 * h * dc.intermediate_size)
     context = dc.num_features * h * h + dc.num_hidden_layers * 2 * h * dc.num_key_value_heads \
         * dc.head_dim
-    target = 2 * target_config.num_params() * batch * seq_len
+    # Embedding rows are gathered, not multiplied, and the target's lm_head is not run.
+    embeddings = target_config.vocab_size * target_config.hidden_size * (
+        1 if target_config.tie_word_embeddings else 2)
+    target = 2 * (target_config.num_params() - embeddings) * batch * seq_len
     drafter_flops = 6 * dc.num_hidden_layers * layer * block_tokens + 6 * context * batch * seq_len
     vocab = (4 + 2) * v * h * block_tokens  # drafter logits fwd+bwd, target slot logits
     return float(target + drafter_flops + vocab)
