@@ -52,16 +52,12 @@ class SpeculativeEngine(BatchDecoder):
                                  self.dtype)
         return (KVCache.create(self.config, batch_size, capacity, self.dtype), context)
 
-    def _features(self, hidden_states: jax.Array) -> jax.Array:
-        """[L, B, T, D] target layers -> [B, T, L * D], the drafter's feature layout."""
-        return jnp.concatenate(list(hidden_states), axis=-1)
-
     def prefill_step(self, params, tokens, lengths, caches, sampling, rng):
         target_cache, context = caches
         out = self.target(params)(tokens, target_cache, hidden_layer_ids=self.layer_ids,
                                   logits_at=(lengths - 1)[:, None])
         first = sample_tokens(out.logits[:, 0], sampling, rng)
-        context = self.drafter(params).extend_context(context, self._features(out.hidden_states),
+        context = self.drafter(params).extend_context(context, out.features(),
                                                       lengths)
         return first, (out.cache.replace(lengths=lengths), context)
 
@@ -87,7 +83,7 @@ class SpeculativeEngine(BatchDecoder):
         kept = jnp.where(active, n + 1, 0)             # anchor + accepted drafts enter caches
         target_cache = target_out.cache.replace(lengths=target_cache.lengths + kept)
         context = self.drafter(params).extend_context(
-            context, self._features(target_out.hidden_states), kept)
+            context, target_out.features(), kept)
         # Emitted: the accepted drafts, then the target's token.
         tokens = jnp.concatenate([proposal.tokens, jnp.zeros_like(proposal.tokens[:, :1])], 1)
         tokens = tokens.at[jnp.arange(tokens.shape[0]), n].set(verdict.next_token)

@@ -31,6 +31,10 @@ class TargetOutput:
     final_hidden: jax.Array           # [B, T, D] after the final norm (lm_head's input)
     cache: KVCache | None
 
+    def features(self) -> jax.Array:
+        """The picked layers side by side, [B, T, L * D]: the drafters' feature input."""
+        return jnp.concatenate(list(self.hidden_states), axis=-1)
+
 
 class Attention(nnx.Module):
     def __init__(self, config: TargetConfig, *, dtype, rngs: nnx.Rngs):

@@ -62,7 +62,7 @@ def cache_features(cfg, batch_size: int = 16) -> Path:
     def run(tokens):
         out = nnx.merge(graph, params)(tokens, hidden_layer_ids=dc.target_layer_ids,
                                        return_logits=False)
-        return jnp.concatenate(list(out.hidden_states), -1), out.final_hidden
+        return out.features(), out.final_hidden
 
     for start in tqdm(range(0, n, batch_size), desc="features", unit="batch"):
         rows = stream.tokens[start:start + batch_size]

@@ -26,7 +26,8 @@ from flax import nnx
 
 from dspine_jax.checkpoints import load_target, resolve_dtype
 from dspine_jax.data.shards import load_dataset, read_manifest
-from dspine_jax.drafters.blocks import block_labels, sample_anchors, target_slot_logits
+from dspine_jax.drafters.blocks import (block_labels, predecessor_tokens, sample_anchors,
+                                        target_slot_logits)
 from dspine_jax.drafters.checkpoint import load_drafter, save_drafter
 from dspine_jax.drafters.config import DrafterConfig, DSpineConfig, mask_token_for
 from dspine_jax.drafters.model import BlockDrafter
@@ -150,7 +151,7 @@ def make_step(cfg: TrainConfig, target_graph, drafter_graph, rest, tx, loss_conf
         rng, anchor_key, replace_key = jax.random.split(rng, 3)
         if features is None:
             out = target(tokens, hidden_layer_ids=ids, return_logits=False)
-            features = jnp.concatenate(list(out.hidden_states), -1)
+            features = out.features()
             final_hidden = out.final_hidden
         features = jax.lax.stop_gradient(features)
         final_hidden = jax.lax.stop_gradient(final_hidden)
@@ -159,9 +160,7 @@ def make_step(cfg: TrainConfig, target_graph, drafter_graph, rest, tx, loss_conf
         labels, supervised = block_labels(tokens, loss_mask, anchors, valid, k)
         target_logits = (target_slot_logits(final_hidden.astype(e_out.dtype), anchors, k, e_out)
                          if needs_target else None)
-        positions = jnp.clip(anchors[..., None] + jnp.arange(k) - 1, 0, tokens.shape[1] - 1)
-        teacher = jnp.take_along_axis(tokens, positions.reshape(tokens.shape[0], -1),
-                                      1).reshape(positions.shape)
+        teacher = predecessor_tokens(tokens, anchors, k)
         replace = None
         if spine is not None and spine.teacher_replacement:
             p = teacher_replacement_probability(step / cfg.run.steps, spine.replacement_hold_ratio,

@@ -52,3 +52,11 @@ def target_slot_logits(final_hidden: jax.Array, anchors: jax.Array, block_size: 
     logits = jnp.einsum("BQD,VD->BQV", rows, output_embedding.astype(rows.dtype),
                         preferred_element_type=jnp.float32)
     return logits.reshape(*positions.shape, -1)
+
+
+def predecessor_tokens(tokens: jax.Array, anchors: jax.Array, block_size: int) -> jax.Array:
+    """[B, n, K]: slot k's true predecessor, the token at anchor + k - 1 (slot 1's is the
+    anchor itself; slot 0's, clipped to the sequence, is never used)."""
+    b, t = tokens.shape
+    positions = jnp.clip(anchors[..., None] + jnp.arange(block_size) - 1, 0, t - 1)
+    return jnp.take_along_axis(tokens, positions.reshape(b, -1), 1).reshape(positions.shape)

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from dspine_jax.drafters.blocks import predecessor_tokens
 from dspine_jax.drafters.config import DrafterConfig
 from dspine_jax.drafters.injection import Injection
 from dspine_jax.drafters.transfer import TransferSpace, build_transfer_space
@@ -190,12 +191,10 @@ class BlockDrafter(nnx.Module):
         anchor_tokens = jnp.take_along_axis(tokens, anchors, axis=1)
         positions = anchors[..., None] + jnp.arange(k)
         ctx_visible = jnp.arange(t)[None, None, :] < anchors[..., None]
-        # Slot i's true predecessor is the token at anchor + i - 1 (slot 1: the anchor).
-        teacher = jnp.take_along_axis(
-            tokens, jnp.clip(positions - 1, 0, t - 1).reshape(b, -1), axis=1).reshape(positions.shape)
         return self._run(self._block_inputs(anchor_tokens, input_embedding), positions,
                          ctx_kv, ctx_visible, anchor_tokens, output_embedding,
-                         teacher_tokens=teacher, replace=replace)
+                         teacher_tokens=predecessor_tokens(tokens, anchors, k),
+                         replace=replace)
 
     # ----- inference --------------------------------------------------------------------------
     def create_context(self, batch_size: int, capacity: int) -> KVCache:
