@@ -43,10 +43,10 @@ def open_features(cfg, drafter_config, num_rows: int):
 
 def cache_features(cfg, batch_size: int = 16) -> Path:
     from dspine_jax.checkpoints import load_target
-    from train.trainer import BatchStream, build_drafter
+    from train.trainer import BatchStream, drafter_config
 
     loaded = load_target(cfg.target.name, dtype=cfg.target.dtype)
-    dc = build_drafter(cfg, loaded).config
+    dc = drafter_config(cfg, loaded)  # only the layer ids: no transfer space to build
     stream = BatchStream(Path(cfg.data.path), cfg.data.seq_len, 1, cfg.run.seed)
     folder = features_folder(cfg, dc)
     tmp = folder.with_name(folder.name + ".tmp")

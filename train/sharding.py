@@ -49,17 +49,8 @@ def shard_tree(tree, mesh: Mesh):
         if hasattr(x, "shape") else x, tree)
 
 
-def tree_shardings(tree, mesh: Mesh):
-    fsdp = mesh.shape["fsdp"]
-    return jax.tree.map(lambda x: NamedSharding(mesh, param_spec(x.shape, fsdp)), tree)
-
-
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(BATCH_AXES))
-
-
-def replicated(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, P())
 
 
 def global_batch(local_rows: np.ndarray, mesh: Mesh) -> jax.Array:

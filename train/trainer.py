@@ -28,7 +28,7 @@ from dspine_jax.checkpoints import load_target, resolve_dtype
 from dspine_jax.data.shards import load_dataset, read_manifest
 from dspine_jax.drafters.blocks import (block_labels, predecessor_tokens, sample_anchors,
                                         target_slot_logits)
-from dspine_jax.drafters.checkpoint import load_drafter, save_drafter
+from dspine_jax.drafters.checkpoint import load_drafter, read_drafter_config, save_drafter
 from dspine_jax.drafters.config import DrafterConfig, DSpineConfig, mask_token_for
 from dspine_jax.drafters.model import BlockDrafter
 from dspine_jax.errors import CheckpointError, ConfigError, InputError
@@ -83,12 +83,13 @@ def local_rows(array: np.ndarray) -> np.ndarray:
 
 
 # ----- model set-up ---------------------------------------------------------------------
-def build_drafter(cfg: TrainConfig, target) -> BlockDrafter:
+def drafter_config(cfg: TrainConfig, target) -> DrafterConfig:
+    """The drafter a config describes (read from init_from when it names a checkpoint)."""
     d = cfg.drafter
     if d.init_from:
-        drafter = load_drafter(Path(d.init_from), dtype=jnp.float32)
-        drafter.config.check_target(target.config)
-        return drafter
+        config = read_drafter_config(Path(d.init_from))
+        config.check_target(target.config)
+        return config
     spine = None
     if d.kind == "dspine":
         default = DrafterConfig.default_dspine(target.config.hidden_size)
@@ -99,10 +100,17 @@ def build_drafter(cfg: TrainConfig, target) -> BlockDrafter:
             causal_block=d.causal_block, alignment=d.alignment,
             refinement_head=d.refinement_head)
     mask = d.mask_token_id if d.mask_token_id >= 0 else mask_token_for(target.tokenizer)
-    config = DrafterConfig.for_target(target.config, kind=d.kind, num_layers=d.layers,
-                                      mask_token_id=mask, block_size=d.block_size,
-                                      dspine=spine)
-    return BlockDrafter.create(config, target.model.output_embedding(), seed=cfg.run.seed)
+    return DrafterConfig.for_target(target.config, kind=d.kind, num_layers=d.layers,
+                                    mask_token_id=mask, block_size=d.block_size, dspine=spine)
+
+
+def build_drafter(cfg: TrainConfig, target) -> BlockDrafter:
+    if cfg.drafter.init_from:
+        drafter = load_drafter(Path(cfg.drafter.init_from), dtype=jnp.float32)
+        drafter.config.check_target(target.config)
+        return drafter
+    return BlockDrafter.create(drafter_config(cfg, target), target.model.output_embedding(),
+                               seed=cfg.run.seed)
 
 
 def make_optimizer(cfg: TrainConfig):
