@@ -97,6 +97,9 @@ def evaluate_command(
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1),
     limit: Optional[int] = typer.Option(None, min=1, help="First K prompts per benchmark."),
     batch_size: int = typer.Option(8, "--batch-size", min=1),
+    max_prompt_tokens: Optional[int] = typer.Option(
+        None, "--max-prompt-tokens", min=1,
+        help="Skip (and count) longer prompts; default: whatever fits the context."),
     seed: int = typer.Option(0),
     dtype: str = typer.Option("auto"),
 ):
@@ -114,7 +117,8 @@ def evaluate_command(
             raise InputError(f"unknown benchmark(s) {unknown}; known: {', '.join(BENCHMARKS)}")
         evaluate(target, [str(resolve_drafter(d)) for d in drafter], names, out,
                  temperature=temperature, max_new_tokens=max_new_tokens, limit=limit,
-                 batch_size=batch_size, seed=seed, dtype=dtype)
+                 batch_size=batch_size, seed=seed, dtype=dtype,
+                 max_prompt_tokens=max_prompt_tokens)
     except DSpineError as e:
         _fail(e)
     typer.echo((out / "results.md").read_text())

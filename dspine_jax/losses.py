@@ -109,7 +109,7 @@ def drafter_loss(config: LossConfig, drafter: BlockDrafter, out: DraftOutput, la
     if config.refinement:
         rows = jnp.take(output_embedding, candidates, axis=0)          # [B, n, K, C, D]
         scores = drafter.transition_scores(out.pre_injection, teacher_tokens[..., None],
-                                           rows)[..., 0, :]            # [B, n, K, C]
+                                           rows, output_embedding)[..., 0, :]  # [B,n,K,C]
         logq = jax.nn.log_softmax(scores, -1)
         hit = candidates == labels[..., None]
         ce_ref = -jnp.sum(jnp.where(hit, logq, 0.0), -1) * label_in
@@ -124,7 +124,7 @@ def drafter_loss(config: LossConfig, drafter: BlockDrafter, out: DraftOutput, la
         metrics["refined_accuracy"] = _mean_over(refined_top[..., 0] == labels, supervised)
 
     if config.alignment_weight > 0:
-        codes = drafter.code(labels) / math.sqrt(drafter.config.dspine.transfer_rank)
+        codes = drafter.code(labels, output_embedding) / math.sqrt(drafter.config.dspine.transfer_rank)
         f = out.features                                                # [L, B, n, K, r]
         cos = jnp.sum(f * codes[None], -1) / jnp.maximum(jnp.linalg.norm(f, axis=-1), 1e-6)
         misalign = jnp.sum(1.0 - cos, axis=0)                           # [B, n, K]

@@ -24,7 +24,8 @@ DFLASH_NAMES = ["fc.weight", "hidden_norm.weight", "norm.weight"] + [
         "input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
         "mlp.up_proj.weight", "mlp.down_proj.weight")]
 DSPINE_NAMES = ["injection.message.weight", "injection.receiver_gate.weight",
-                "injection.predecessor_gate.weight", "injection.bias", "transfer_codes"] + [
+                "injection.predecessor_gate.weight", "injection.bias", "transfer_whiten",
+                "transfer_mean"] + [
     f"injection.{part}.{i}.weight" for part in ("readouts", "writes") for i in range(2)]
 
 
@@ -67,6 +68,7 @@ def test_bf16_export_stays_close(tmp_path, target):
     save_drafter(drafter, tmp_path, dtype=jnp.bfloat16)
     with safe_open(str(tmp_path / "model.safetensors"), framework="numpy") as f:
         assert str(f.get_tensor("fc.weight").dtype) == "bfloat16"
+        assert str(f.get_tensor("transfer_whiten").dtype) == "float32"  # fixed basis: exact
     back = load_drafter(tmp_path)
     feats = features(target, drafter, TOKENS)
     args = (TOKENS, feats, ANCHORS, target.input_embedding(), target.output_embedding())

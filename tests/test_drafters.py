@@ -182,11 +182,12 @@ def test_transfer_codes_are_whitened_unit_vectors():
     e_out = np.random.default_rng(0).normal(size=(500, 24)) @ np.diag(np.linspace(0.2, 3, 24))
     space = build_transfer_space(e_out, 10, chunk=128)  # several chunks
     z, d = reference_transfer(e_out.astype(np.float64), 10)
-    np.testing.assert_allclose(np.linalg.norm(space.codes, axis=1), 1.0, atol=1e-5)
+    codes = space.codes(e_out)
+    np.testing.assert_allclose(np.linalg.norm(codes, axis=1), 1.0, atol=1e-5)
     np.testing.assert_allclose(np.cov(z.T, bias=True), np.eye(10), atol=1e-8)  # whitened
     expected = z / np.linalg.norm(z, axis=1, keepdims=True)
     signs = np.sign(np.sum(space.projection.T * d, axis=0))  # eigenvectors up to sign
-    np.testing.assert_allclose(space.codes, expected * signs, atol=2e-4)
+    np.testing.assert_allclose(codes, expected * signs, atol=2e-4)
     with pytest.raises(ConfigError, match="rank 30 exceeds the hidden size 24"):
         build_transfer_space(e_out, 30)
     flat = np.repeat(e_out[:, :3], 8, axis=1)  # rank-3 rows
@@ -199,7 +200,11 @@ def test_readouts_start_at_the_transfer_projection(target):
     space = build_transfer_space(target.output_embedding(), 32)
     for readout in drafter.injection.readouts:
         np.testing.assert_allclose(readout.weight[...], space.projection, atol=1e-6)
-    np.testing.assert_allclose(drafter.transfer_codes[...], space.codes, atol=1e-6)
+    np.testing.assert_allclose(drafter.transfer_whiten[...], space.whiten, rtol=1e-6)
+    # The drafter's code of a token is the table's row, computed from its lm_head row.
+    tokens = jnp.arange(97)
+    np.testing.assert_allclose(drafter.code(tokens, target.output_embedding()),
+                               np.sqrt(32) * space.codes(target.output_embedding()), atol=1e-5)
 
 
 def test_drafter_and_target_mismatch_is_named(target):

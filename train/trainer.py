@@ -178,8 +178,8 @@ def make_step(cfg: TrainConfig, target_graph, drafter_graph, rest, tx, loss_conf
 
         def loss_fn(params):
             cast = lambda x: x.astype(compute_dtype)  # noqa: E731
-            drafter = nnx.merge(drafter_graph, jax.tree.map(cast, params),
-                                jax.tree.map(cast, rest))
+            # `rest` (DSpine's fixed transfer basis) stays float32.
+            drafter = nnx.merge(drafter_graph, jax.tree.map(cast, params), rest)
             draft = drafter.forward_train(tokens, features, anchors, e_in, e_out,
                                           replace=replace)
             return drafter_loss(loss_config, drafter, draft, labels, supervised,

@@ -64,7 +64,8 @@ def materialise(factory, tensors: TensorSource, *, name_of, dtype, source: str,
                 f"implies {tuple(var.shape)}")
         if not np.all(np.isfinite(np.asarray(array, np.float32))):
             raise CheckpointError(f"{source}: tensor {name} holds NaN or infinite values")
-        filled.append((path, var.replace(jnp.asarray(array, dtype))))
+        # Variables keep their declared dtype (a drafter's fixed transfer basis stays f32).
+        filled.append((path, var.replace(jnp.asarray(array, getattr(var, "dtype", dtype)))))
     return nnx.merge(graphdef, nnx.from_flat_state(filled))
 
 

@@ -4,7 +4,8 @@ config.json (`architectures: ["DFlashDraftModel"]`, `block_size`, `num_hidden_la
 `num_target_layers`, `dflash_config: {mask_token_id, target_layer_ids}`) plus
 model.safetensors with their tensor names (`fc.weight`, `hidden_norm.weight`,
 `layers.{i}.self_attn.q_proj.weight`, ...). A DSpine drafter adds its own tensors
-(`injection.*`, `transfer_codes`) and a `dspine_config`.
+(`injection.*`, `transfer_whiten`, `transfer_mean`) and a `dspine_config`; token codes
+are not stored: they follow from the target's lm_head and the whitening map.
 """
 
 from __future__ import annotations
@@ -29,11 +30,14 @@ def tensor_name(path: tuple) -> str:
 
 
 def drafter_tensors(drafter: BlockDrafter, dtype=None) -> dict[str, np.ndarray]:
+    """Every variable by name; `dtype` casts the trained weights (nnx.Param) only, the
+    fixed transfer basis stays float32."""
     flat = nnx.to_flat_state(nnx.state(drafter))
     out = {}
     for path, var in flat:
         value = var[...]
-        out[tensor_name(path)] = np.asarray(value if dtype is None else value.astype(dtype))
+        cast = dtype is not None and isinstance(var, nnx.Param)
+        out[tensor_name(path)] = np.asarray(value.astype(dtype) if cast else value)
     return out
 
 

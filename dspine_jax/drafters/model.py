@@ -25,14 +25,16 @@ from flax import nnx, struct
 from dspine_jax.drafters.blocks import predecessor_tokens
 from dspine_jax.drafters.config import DrafterConfig
 from dspine_jax.drafters.injection import Injection
-from dspine_jax.drafters.transfer import TransferSpace, build_transfer_space
+from dspine_jax.drafters.transfer import TransferSpace, build_transfer_space, transfer_codes
 from dspine_jax.kv_cache import KVCache, write_kv
 from dspine_jax.layers import Linear, RMSNorm, dot_product_attention
 from dspine_jax.target import DecoderLayer
 
 
-class TransferCodes(nnx.Variable):
-    """The fixed token-code table [V, r]: saved with the drafter, never trained."""
+class TransferBasis(nnx.Variable):
+    """The fixed whitening map of the transfer space: saved with the drafter, never
+    trained. Token codes are computed from the target's lm_head rows on demand, so a
+    checkpoint holds [H, r] numbers, not a [V, r] table."""
 
 
 @struct.dataclass
@@ -78,14 +80,16 @@ class BlockDrafter(nnx.Module):
         if spine is not None:
             self.injection = Injection(d, spine.transfer_rank, spine.message_size,
                                        config.num_hidden_layers, dtype=dtype, rngs=rngs)
-            self.transfer_codes = TransferCodes(
-                jnp.zeros((config.vocab_size, spine.transfer_rank), dtype))
+            # float32 whatever the compute dtype: codes are unit vectors of a whitened map.
+            self.transfer_whiten = TransferBasis(jnp.zeros((d, spine.transfer_rank)))
+            self.transfer_mean = TransferBasis(jnp.zeros((d,)))
             if transfer is not None:
                 self.set_transfer_space(transfer)
 
     def set_transfer_space(self, space: TransferSpace) -> None:
-        """Install the code table and initialise every readout R_l to D^T."""
-        self.transfer_codes[...] = jnp.asarray(space.codes, self.dtype)
+        """Install the whitening map and initialise every readout R_l to D^T."""
+        self.transfer_whiten[...] = jnp.asarray(space.whiten, jnp.float32)
+        self.transfer_mean[...] = jnp.asarray(space.mean, jnp.float32)
         for readout in self.injection.readouts:
             readout.weight[...] = jnp.asarray(space.projection, self.dtype)
 
@@ -109,9 +113,11 @@ class BlockDrafter(nnx.Module):
         """Concatenated target features [B, T, F] -> [B, T, D]."""
         return self.hidden_norm(self.fc(features.astype(self.dtype)))
 
-    def code(self, tokens: jax.Array) -> jax.Array:
-        """sqrt(r) * c_token [..., r] float32: a token placed in the transfer space."""
-        codes = jnp.take(self.transfer_codes[...], tokens, axis=0).astype(jnp.float32)
+    def code(self, tokens: jax.Array, output_embedding: jax.Array) -> jax.Array:
+        """sqrt(r) * c_token [..., r] float32: a token placed in the transfer space, from
+        its lm_head row (E_out [V, D]) exactly as build_transfer_space defines c."""
+        codes = transfer_codes(jnp.take(output_embedding, tokens, axis=0),
+                               self.transfer_mean[...], self.transfer_whiten[...])
         return jnp.sqrt(self.config.dspine.transfer_rank) * codes
 
     def _block_inputs(self, anchor_tokens: jax.Array, input_embedding: jax.Array):
@@ -150,7 +156,8 @@ class BlockDrafter(nnx.Module):
             if self.config.dspine is not None:
                 pre_injection = h
                 if self.injecting:
-                    h, gate = self._inject(i, h, anchor_tokens, teacher_tokens, replace)
+                    h, gate = self._inject(i, h, anchor_tokens, output_embedding,
+                                           teacher_tokens, replace)
                     gates.append(jnp.mean(gate[:, :, 1:]))
                 features.append(self.injection.feature(i, h))
         final = self.norm(h)
@@ -161,16 +168,17 @@ class BlockDrafter(nnx.Module):
             features=jnp.stack(features) if features else None,
             gates=jnp.stack(gates) if gates else None)
 
-    def _inject(self, layer, h, anchor_tokens, teacher_tokens, replace):
+    def _inject(self, layer, h, anchor_tokens, output_embedding, teacher_tokens, replace):
         """Gated adjacent injection after `layer` for slots 1..K-1 of every block."""
         spine = self.config.dspine
         phi = self.injection.feature(layer, h)                      # [B, n, K, r]
-        anchor = self.code(anchor_tokens)[:, :, None]               # [B, n, 1, r]
+        anchor = self.code(anchor_tokens, output_embedding)[:, :, None]             # [B, n, 1, r]
         # p_1 = the anchor's code, p_i = phi(h_{i-1}) for i >= 2 (slot 0 gets no write).
         pred = jnp.concatenate([anchor, anchor, phi[:, :, 1:-1]], axis=2)
         if teacher_tokens is not None and replace is not None and spine.teacher_replacement \
                 and layer < spine.replacement_layers:
-            pred = jnp.where(replace[:, :, None, None], self.code(teacher_tokens), pred)
+            pred = jnp.where(replace[:, :, None, None],
+                             self.code(teacher_tokens, output_embedding), pred)
         delta, gate = self.injection.write(layer, h, phi, pred)
         not_anchor = (jnp.arange(h.shape[2]) > 0)[None, None, :, None]
         return h + jnp.where(not_anchor, delta, 0), gate
@@ -229,16 +237,17 @@ class BlockDrafter(nnx.Module):
 
     # ----- DSpine's decoding head (design doc 2.5) ---------------------------------------------
     def transition_scores(self, pre_injection: jax.Array, predecessors: jax.Array,
-                          candidate_rows: jax.Array) -> jax.Array:
+                          candidate_rows: jax.Array, output_embedding: jax.Array) -> jax.Array:
         """Scores of successor candidates given each predecessor token.
 
         pre_injection [..., D] (the transition cache); predecessors [..., P] token ids;
-        candidate_rows [..., C, D] lm_head rows of the candidates -> [..., P, C] float32.
+        candidate_rows [..., C, D] lm_head rows of the candidates; output_embedding
+        E_out [V, D] -> [..., P, C] float32.
         Redoes the last layer's write with p = sqrt(r) c_a, then the final norm."""
         last = self.config.num_hidden_layers - 1
         phi = self.injection.feature(last, pre_injection)[..., None, :]   # [..., 1, r]
         h = pre_injection[..., None, :]                                    # [..., 1, D]
-        delta, _ = self.injection.write(last, h, phi, self.code(predecessors))
+        delta, _ = self.injection.write(last, h, phi, self.code(predecessors, output_embedding))
         refined = self.norm(h + delta)                                     # [..., P, D]
         return jnp.einsum("...PD,...CD->...PC", refined, candidate_rows.astype(refined.dtype),
                           preferred_element_type=jnp.float32)

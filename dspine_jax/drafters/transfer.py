@@ -1,7 +1,8 @@
 """DSpine's unified transfer space, built once from the target's frozen lm_head.
 
 Token v's code is its whitened, unit-length lm_head direction in the top-r principal
-subspace of the (L2-normalised) rows. Hidden states are read into the same space by
+subspace of the (L2-normalised) rows. Only the whitening map [H, r] is stored: codes are
+computed from lm_head rows when needed (a [V, r] table would be 300 MB for Qwen3's vocab). Hidden states are read into the same space by
 per-layer readouts initialised to the same projection, so a hidden state and the token
 it predicts can be compared (and written into a successor) in one r-dim space.
 
@@ -21,23 +22,38 @@ from dspine_jax.errors import ConfigError
 
 @dataclasses.dataclass(frozen=True)
 class TransferSpace:
-    codes: np.ndarray        # [V, r] float32, unit rows
+    whiten: np.ndarray       # [H, r] projection onto the top-r directions, then whitening
+    mean: np.ndarray         # [H] mean normalised lm_head row
     projection: np.ndarray   # [r, H] D^T: the readouts' initial weight
     eigenvalues: np.ndarray  # [r] descending
-    mean: np.ndarray         # [H] mean normalised lm_head row
+
+    def codes(self, output_embedding) -> np.ndarray:
+        """The whole code table [V, r] float32 (for inspection and tests; the drafter
+        computes only the rows it needs)."""
+        e_out = jnp.asarray(output_embedding, jnp.float32)
+        return np.concatenate([np.asarray(transfer_codes(e_out[s:s + 8192], self.mean,
+                                                         self.whiten))
+                               for s in range(0, e_out.shape[0], 8192)])
+
+
+def unit_rows(rows):
+    return rows / jnp.maximum(jnp.linalg.norm(rows, axis=-1, keepdims=True), 1e-12)
+
+
+def transfer_codes(rows, mean, whiten):
+    """lm_head rows [..., H] -> their codes c [..., r] float32 (unit length)."""
+    centred = unit_rows(jnp.asarray(rows, jnp.float32)) - jnp.asarray(mean, jnp.float32)
+    return unit_rows(centred @ jnp.asarray(whiten, jnp.float32))
 
 
 def build_transfer_space(output_embedding, rank: int, *, chunk: int = 8192) -> TransferSpace:
-    """output_embedding E_out [V, H] -> codes and projection. Covariance accumulates in
+    """output_embedding E_out [V, H] -> whitening map and projection. Covariance accumulates in
     float32 over row chunks (bounded memory for 150k vocabularies); the eigensolve is
     float64 on the host (H x H)."""
     e_out = jnp.asarray(output_embedding, jnp.float32)
     vocab, hidden = e_out.shape
     if rank > hidden:
         raise ConfigError(f"transfer rank {rank} exceeds the hidden size {hidden}")
-
-    def unit_rows(rows):
-        return rows / jnp.maximum(jnp.linalg.norm(rows, axis=-1, keepdims=True), 1e-12)
 
     starts = range(0, vocab, chunk)
     mean = sum(jnp.sum(unit_rows(e_out[s:s + chunk]), axis=0) for s in starts) / vocab
@@ -52,11 +68,9 @@ def build_transfer_space(output_embedding, rank: int, *, chunk: int = 8192) -> T
                           f"{rank} needs {rank} positive eigenvalues. Lower transfer_rank.")
 
     # [H, r]: projection then whitening, folded into one matrix.
-    whiten = jnp.asarray(d / np.sqrt(eigenvalues)[None, :], jnp.float32)
-    codes = jnp.concatenate([unit_rows((unit_rows(e_out[s:s + chunk]) - mean) @ whiten)
-                             for s in starts])
-    return TransferSpace(codes=np.asarray(codes), projection=d.T.astype(np.float32),
-                         eigenvalues=eigenvalues, mean=np.asarray(mean))
+    whiten = (d / np.sqrt(eigenvalues)[None, :]).astype(np.float32)
+    return TransferSpace(whiten=whiten, mean=np.asarray(mean, np.float32),
+                         projection=d.T.astype(np.float32), eigenvalues=eigenvalues)
 
 
 @jax.jit

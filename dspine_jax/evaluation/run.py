@@ -21,43 +21,57 @@ from dspine_jax.evaluation.benchmarks import load_benchmark
 
 def run_method(pipe: Pipeline, prompts: list[dict], *, batch_size: int, room: int,
                **options) -> dict:
-    """Decode the prompts of at most `room` tokens (the same set for every method)."""
+    """Decode the prompts of at most `room` tokens (the same set for every method).
+
+    Every batch has exactly `batch_size` rows (a short last batch is padded with copies
+    of its last prompt, left out of the counts), so one compiled shape serves all."""
     tokens = passes = after_prefill = 0
-    seconds = 0.0
+    seconds = compile_seconds = 0.0
     encoded = [pipe.encode(Prompt(p["prompt"], p["chat"])) for p in prompts]
     fitting = [ids for ids in encoded if len(ids) <= room]  # the rest are counted, not cut
     if not fitting:
         raise InputError(f"no prompt fits the context with max_new_tokens="
                          f"{options['max_new_tokens']}; lower it")
-    pipe.decoder.generate(fitting[:batch_size], **options)  # warm-up: compile, allocate
+
+    def padded(chunk):
+        return chunk + [chunk[-1]] * (batch_size - len(chunk))
+
+    warm = pipe.decoder.generate(padded(fitting[:batch_size]), **options)  # compile, allocate
+    compile_seconds += warm.compile_seconds
     for start in range(0, len(fitting), batch_size):
         chunk = fitting[start:start + batch_size]
-        batch = pipe.decoder.generate(chunk, **options)
+        batch = pipe.decoder.generate(padded(chunk), **options)
         seconds += batch.seconds
-        for g in batch.generations:
+        compile_seconds += batch.compile_seconds
+        for g in batch.generations[:len(chunk)]:
             tokens += len(g.tokens)
             passes += len(g.accept_lengths)
             after_prefill += sum(g.accept_lengths)
     return {"prompts": len(fitting), "skipped_too_long": len(prompts) - len(fitting),
-            "tokens": tokens, "seconds": seconds,
+            "tokens": tokens, "seconds": seconds, "compile_seconds": compile_seconds,
             "tokens_per_second": tokens / max(seconds, 1e-9),
             "accept_length": after_prefill / passes if passes else 1.0}
 
 
 def evaluate(target: str, drafters: list[str], benchmarks: list[str], out: Path, *,
              temperature: float = 0.0, max_new_tokens: int = 256, limit: int | None = None,
-             batch_size: int = 8, seed: int = 0, dtype: str = "auto") -> dict:
+             batch_size: int = 8, seed: int = 0, dtype: str = "auto",
+             max_prompt_tokens: int | None = None) -> dict:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     loaded = load_target(target, dtype=dtype)
     pipes = {"ar": Pipeline.from_loaded(loaded)}
     for path in drafters:
         pipe = Pipeline.from_loaded(loaded, path)
-        label = pipe.method if pipe.method not in pipes else f"{pipe.method}:{Path(path).name}"
+        folder = Path(path)
+        name = folder.parent.name if folder.name == "drafter" else folder.name  # a run's export
+        label = pipe.method if pipe.method not in pipes else f"{pipe.method}:{name}"
         pipes[label] = pipe
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     room = (loaded.config.max_position_embeddings - max_new_tokens
             - max(p.decoder.extra_capacity for p in pipes.values()))
+    if max_prompt_tokens is not None:  # fewer shape buckets; longer prompts are counted
+        room = min(room, max_prompt_tokens)
     table: dict[str, dict[str, dict]] = {}
     for name in tqdm(benchmarks, desc="benchmarks"):
         prompts = load_benchmark(name)[:limit]
@@ -71,6 +85,7 @@ def evaluate(target: str, drafters: list[str], benchmarks: list[str], out: Path,
             for label in pipes}
     report = {"target": target, "drafters": drafters, "temperature": temperature,
               "max_new_tokens": max_new_tokens, "limit": limit, "batch_size": batch_size,
+              "max_prompt_tokens": room,
               "benchmarks": table, "mean": mean}
     (out / "results.json").write_text(json.dumps(report, indent=2))
     (out / "results.md").write_text(markdown(report))

@@ -60,7 +60,8 @@ def propose_chain(drafter: BlockDrafter, out: DraftOutput, anchor: jax.Array,
     preds = jnp.concatenate([jnp.broadcast_to(anchor[:, None, None], (b, 1, c)),
                              candidates[:, :-1]], axis=1)               # [B, S, C]
     rows = jnp.take(output_embedding, candidates, axis=0)               # [B, S, C, D]
-    table = drafter.transition_scores(out.pre_injection[:, 0, 1:], preds, rows)  # [B,S,C,C]
+    table = drafter.transition_scores(out.pre_injection[:, 0, 1:], preds, rows,
+                                      output_embedding)                # [B, S, C, C]
 
     def step(pred_index, inputs):
         scores, cands, key = inputs                                     # [B, C, C], [B, C]
