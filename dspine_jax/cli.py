@@ -173,10 +173,12 @@ def export(
     out: str = typer.Option(..., "--out", help="Folder to write (must not exist or be empty)."),
     format: str = typer.Option("dflash-hf", "--format", help="dflash-hf"),
     dtype: str = typer.Option("bf16", help="bf16 or f32 tensors."),
+    target: str = typer.Option(DEFAULT_TARGET, help="The drafter's target: a DSpine "
+                               "export includes the [V, r] code table built from its lm_head."),
 ):
     """Export a drafter in the layout the DFlash reference implementations read."""
     try:
-        from dspine_jax.checkpoints import resolve_dtype
+        from dspine_jax.checkpoints import load_target, resolve_dtype
         from dspine_jax.drafters.checkpoint import load_drafter, save_drafter
         from dspine_jax.registry import resolve_drafter
 
@@ -185,7 +187,12 @@ def export(
         source = resolve_drafter(drafter)
         dest = _empty_folder(out)
         model = load_drafter(source, dtype=jnp.float32)
-        save_drafter(model, dest, dtype=resolve_dtype(dtype))
+        table = None
+        if model.config.dspine is not None:
+            loaded = load_target(target, dtype="f32")
+            model.config.check_target(loaded.config)
+            table = model.code_table(loaded.model.output_embedding())
+        save_drafter(model, dest, dtype=resolve_dtype(dtype), code_table=table)
     except DSpineError as e:
         _fail(e)
     typer.echo(f"exported {model.config.kind} drafter to {dest} ({format}, {dtype})")

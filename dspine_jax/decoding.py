@@ -34,6 +34,12 @@ def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
+def padded_batch(prompts: list, size: int) -> list:
+    """Fill a short batch up to `size` rows with copies of its last prompt, so every batch
+    of a long job reuses one compiled shape (callers drop the extra rows' outputs)."""
+    return list(prompts) + [prompts[-1]] * (size - len(prompts))
+
+
 @struct.dataclass
 class DecodeState:
     caches: tuple             # the decoder's caches (target KV, drafter context, ...)

@@ -109,3 +109,23 @@ def test_bad_drafter_checkpoints_are_named(tmp_path, target):
         load_drafter(tmp_path)
     with pytest.raises(ConfigError, match="not a DFlash/DSpine drafter"):
         DrafterConfig.from_hf({"architectures": ["LlamaForCausalLM"]})
+
+
+def test_reference_layout_carries_the_code_table(tmp_path, target):
+    """The export adds `transfer_codes` [V, r] (the reference layout); loading ignores it
+    because the whitening map and the target's lm_head define the same codes."""
+    from tests.test_losses import reference_codes
+
+    drafter = make(target, "dspine")
+    e_out = target.output_embedding()
+    save_drafter(drafter, tmp_path, code_table=drafter.code_table(e_out))
+    assert names(tmp_path) == set(DFLASH_NAMES) | set(DSPINE_NAMES) | {"transfer_codes"}
+    with safe_open(str(tmp_path / "model.safetensors"), framework="numpy") as f:
+        table = f.get_tensor("transfer_codes")
+    np.testing.assert_allclose(table, reference_codes(drafter, e_out, np.arange(97)),
+                               atol=1e-5)
+    back = load_drafter(tmp_path)
+    feats = features(target, drafter, TOKENS)
+    args = (TOKENS, feats, ANCHORS, target.input_embedding(), e_out)
+    np.testing.assert_array_equal(back.forward_train(*args).logits,
+                                  drafter.forward_train(*args).logits)

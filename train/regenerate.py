@@ -17,6 +17,7 @@ from tqdm import tqdm
 from dspine_jax.data.prompts import jsonl_prompts, sharegpt_prompts
 from dspine_jax.data.shards import (MANIFEST, Sequence, read_manifest, write_manifest,
                                     write_shard)
+from dspine_jax.decoding import padded_batch
 from dspine_jax.errors import InputError
 
 
@@ -51,6 +52,7 @@ def regenerate(out: Path, *, target: str, source: str = "sharegpt", limit: int |
     done = sum(s["prompts"] for s in manifest["shards"])
     pipe = Pipeline.load(target, dtype=dtype)
     progress = tqdm(total=len(prompts), initial=done, unit="prompt", desc="regenerate")
+    rows = min(batch_size, len(prompts))  # every batch this size: one shape per prompt bucket
     for start in range(done, len(prompts), shard_size):
         chunk = prompts[start:start + shard_size]
         encoded = [pipe.encode(Prompt(p["prompt"], p["chat"])) for p in chunk]
@@ -58,10 +60,12 @@ def regenerate(out: Path, *, target: str, source: str = "sharegpt", limit: int |
         sequences = []
         for b in range(0, len(keep), batch_size):
             batch = keep[b:b + batch_size]
-            result = pipe.decoder.generate(batch, max_new_tokens=max_new_tokens,
+            # Full-size batches only: one compiled shape per prompt bucket, not per size.
+            result = pipe.decoder.generate(padded_batch(batch, rows),
+                                           max_new_tokens=max_new_tokens,
                                            temperature=temperature, top_p=top_p,
                                            seed=seed + start + b)
-            for ids, gen in zip(batch, result.generations):
+            for ids, gen in zip(batch, result.generations):  # pad rows dropped
                 tokens = np.asarray(ids + gen.tokens, np.int32)
                 mask = np.arange(len(tokens)) >= len(ids)
                 sequences.append(Sequence(tokens, mask))

@@ -4,8 +4,10 @@ config.json (`architectures: ["DFlashDraftModel"]`, `block_size`, `num_hidden_la
 `num_target_layers`, `dflash_config: {mask_token_id, target_layer_ids}`) plus
 model.safetensors with their tensor names (`fc.weight`, `hidden_norm.weight`,
 `layers.{i}.self_attn.q_proj.weight`, ...). A DSpine drafter adds its own tensors
-(`injection.*`, `transfer_whiten`, `transfer_mean`) and a `dspine_config`; token codes
-are not stored: they follow from the target's lm_head and the whitening map.
+(`injection.*`, `transfer_whiten`, `transfer_mean`) and a `dspine_config`. Token codes
+follow from the target's lm_head and the whitening map, so the native checkpoint leaves
+the [V, r] table out; `dspine export` adds it as `transfer_codes` (the reference layout),
+and loading ignores it.
 """
 
 from __future__ import annotations
@@ -41,11 +43,16 @@ def drafter_tensors(drafter: BlockDrafter, dtype=None) -> dict[str, np.ndarray]:
     return out
 
 
-def save_drafter(drafter: BlockDrafter, folder: str | Path, *, dtype=None) -> Path:
-    """Write config.json + model.safetensors; `dtype` (e.g. jnp.bfloat16) casts on save."""
+def save_drafter(drafter: BlockDrafter, folder: str | Path, *, dtype=None,
+                 code_table: np.ndarray | None = None) -> Path:
+    """Write config.json + model.safetensors; `dtype` (e.g. jnp.bfloat16) casts on save.
+    `code_table` [V, r] is written as `transfer_codes` for readers that want the table."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = drafter_tensors(drafter, dtype)
+    if code_table is not None:
+        tensors["transfer_codes"] = np.asarray(code_table if dtype is None
+                                               else jnp.asarray(code_table).astype(dtype))
     tmp = folder / "model.safetensors.tmp"
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp),
               metadata={"format": "pt"})
@@ -65,4 +72,4 @@ def load_drafter(folder: str | Path, *, dtype=jnp.float32) -> BlockDrafter:
     config = read_drafter_config(folder)
     return materialise(lambda: BlockDrafter(config, dtype=dtype, rngs=nnx.Rngs(0)),
                        hf.tensor_source(folder), name_of=tensor_name, dtype=dtype,
-                       source=str(folder))
+                       source=str(folder), ignored={"transfer_codes"})  # derived, see above

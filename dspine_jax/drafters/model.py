@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
 from dspine_jax.drafters.blocks import predecessor_tokens
@@ -119,6 +120,12 @@ class BlockDrafter(nnx.Module):
         codes = transfer_codes(jnp.take(output_embedding, tokens, axis=0),
                                self.transfer_mean[...], self.transfer_whiten[...])
         return jnp.sqrt(self.config.dspine.transfer_rank) * codes
+
+    def code_table(self, output_embedding) -> np.ndarray:
+        """All V codes c_v [V, r] float32 (the reference's `transfer_codes` table)."""
+        space = TransferSpace(whiten=self.transfer_whiten[...], mean=self.transfer_mean[...],
+                              projection=None, eigenvalues=None)
+        return space.codes(output_embedding)
 
     def _block_inputs(self, anchor_tokens: jax.Array, input_embedding: jax.Array):
         """[anchor, MASK, ..., MASK] per block, embedded with the frozen E_in: [B, n, K, D]."""

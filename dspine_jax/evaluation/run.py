@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from dspine_jax.api import Pipeline, Prompt
 from dspine_jax.checkpoints import load_target
+from dspine_jax.decoding import padded_batch
 from dspine_jax.errors import InputError
 from dspine_jax.evaluation.benchmarks import load_benchmark
 
@@ -33,14 +34,11 @@ def run_method(pipe: Pipeline, prompts: list[dict], *, batch_size: int, room: in
         raise InputError(f"no prompt fits the context with max_new_tokens="
                          f"{options['max_new_tokens']}; lower it")
 
-    def padded(chunk):
-        return chunk + [chunk[-1]] * (batch_size - len(chunk))
-
-    warm = pipe.decoder.generate(padded(fitting[:batch_size]), **options)  # compile, allocate
+    warm = pipe.decoder.generate(padded_batch(fitting[:batch_size], batch_size), **options)
     compile_seconds += warm.compile_seconds
     for start in range(0, len(fitting), batch_size):
         chunk = fitting[start:start + batch_size]
-        batch = pipe.decoder.generate(padded(chunk), **options)
+        batch = pipe.decoder.generate(padded_batch(chunk, batch_size), **options)
         seconds += batch.seconds
         compile_seconds += batch.compile_seconds
         for g in batch.generations[:len(chunk)]:

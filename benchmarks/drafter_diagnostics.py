@@ -1,0 +1,186 @@
+"""Why a drafter accepts what it accepts: per-slot accuracy, DSpine's chain head, gates per
+layer and what each layer already predicts, on the target's own greedy continuations of
+held-out ShareGPT prompts (data no drafter trained on).
+
+    python -m benchmarks.drafter_diagnostics --drafter DIR [--drafter DIR ...] --out DIR
+
+Teacher-forced: every block sees the true context, as in training. The engine's real
+acceptance is checked against the same rule at the anchors the engine actually used
+(they must agree token for token at T=0, or inference and training compute different
+things). Writes diagnostics.json and diagnostics.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dspine_jax.api import Pipeline, Prompt
+from dspine_jax.checkpoints import load_target
+from dspine_jax.data.prompts import sharegpt_prompts
+from dspine_jax.drafters.checkpoint import load_drafter
+from dspine_jax.drafters.model import DraftOutput
+from dspine_jax.sampling import SamplingParams
+from dspine_jax.spec.propose import propose_chain
+
+
+def accepted(pred: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """[..., S] predictions vs labels -> tokens emitted per pass (prefix + bonus)."""
+    ok = np.concatenate([pred == labels, np.zeros(pred.shape[:-1] + (1,), bool)], -1)
+    return np.argmin(ok, -1) + 1
+
+
+def block_view(out: DraftOutput, i: int) -> DraftOutput:
+    """Sequence i's blocks as a batch of one-block drafts: [n, 1, K, ...]."""
+    return DraftOutput(logits=out.logits[i][:, None], hidden=out.hidden[i][:, None],
+                       pre_injection=out.pre_injection[i][:, None], features=None,
+                       gates=None)
+
+
+def diagnose(loaded, drafter, sequences, stride: int) -> dict:
+    model = loaded.model
+    e_in, e_out = model.input_embedding(), model.output_embedding()
+    k = drafter.config.block_size
+    spine = drafter.config.dspine is not None
+    base_hits, chain_hits, base_tau, chain_tau, layer_hits, gates = [], [], [], [], [], []
+    codes = drafter.code_table(e_out) if spine else None                # [V, r]
+    for tokens, prompt_len in sequences:
+        anchors = np.arange(prompt_len, len(tokens) - k + 1, stride, dtype=np.int32)
+        if len(anchors) == 0:
+            continue
+        toks = jnp.asarray(tokens[None])
+        feats = model(toks, hidden_layer_ids=drafter.config.target_layer_ids,
+                      return_logits=False).features()
+        out = drafter.forward_train(toks, feats, jnp.asarray(anchors[None]), e_in, e_out)
+        labels = tokens[anchors[:, None] + np.arange(1, k)]              # [n, S]
+        base = np.asarray(jnp.argmax(out.logits[0, :, 1:], -1))         # [n, S]
+        base_hits.append(base == labels)
+        base_tau.append(accepted(base, labels))
+        if spine:
+            greedy = SamplingParams.create(len(anchors), 0.0, 1.0, 0)
+            chain = propose_chain(drafter, block_view(out, 0), jnp.asarray(tokens[anchors]),
+                                  e_out, greedy, jax.random.key(0)).tokens
+            chain = np.asarray(chain)
+            chain_hits.append(chain == labels)
+            chain_tau.append(accepted(chain, labels))
+            feats_l = np.asarray(out.features[:, 0, :, 1:])             # [L, n, S, r]
+            nearest = np.argmax(feats_l @ codes.T, -1)                  # [L, n, S]
+            layer_hits.append(nearest == labels[None])
+            gates.append(np.asarray(out.gates))
+    report = {"blocks": int(sum(len(h) for h in base_hits)),
+              "base_slot_accuracy": np.concatenate(base_hits).mean(0).tolist(),
+              "base_tau": float(np.concatenate(base_tau).mean())}
+    if spine:
+        report.update(
+            chain_slot_accuracy=np.concatenate(chain_hits).mean(0).tolist(),
+            chain_tau=float(np.concatenate(chain_tau).mean()),
+            layer_code_accuracy=np.concatenate(layer_hits, 1).mean((1, 2)).tolist(),
+            gate_mean_per_layer=np.mean(gates, 0).tolist())
+    return report
+
+
+def engine_check(pipe: Pipeline, drafter, prompts, max_new_tokens: int, loaded) -> dict:
+    """Engine pass lengths vs the teacher-forced rule at the engine's own anchors (T=0)."""
+    model = loaded.model
+    e_in, e_out = model.input_embedding(), model.output_embedding()
+    k = drafter.config.block_size
+    spine = drafter.config.dspine is not None
+    results = pipe.generate(prompts, max_new_tokens=max_new_tokens, batch_size=len(prompts))
+    engine, forced = [], []
+    for prompt, r in zip(prompts, results):
+        ids = pipe.encode(prompt)
+        tokens = np.asarray(ids + r.tokens, np.int32)
+        lens = np.asarray(r.accept_lengths[:-1])  # the last pass may be cut by the budget
+        anchors = (len(ids) + np.concatenate([[0], np.cumsum(lens)[:-1]])).astype(np.int32)
+        keep = anchors + k <= len(tokens)
+        anchors, lens = anchors[keep], lens[keep]
+        if len(anchors) == 0:
+            continue
+        toks = jnp.asarray(tokens[None])
+        feats = model(toks, hidden_layer_ids=drafter.config.target_layer_ids,
+                      return_logits=False).features()
+        out = drafter.forward_train(toks, feats, jnp.asarray(anchors[None]), e_in, e_out)
+        labels = tokens[anchors[:, None] + np.arange(1, k)]
+        if spine:
+            greedy = SamplingParams.create(len(anchors), 0.0, 1.0, 0)
+            pred = np.asarray(propose_chain(drafter, block_view(out, 0),
+                                            jnp.asarray(tokens[anchors]), e_out, greedy,
+                                            jax.random.key(0)).tokens)
+        else:
+            pred = np.asarray(jnp.argmax(out.logits[0, :, 1:], -1))
+        engine.append(lens)
+        forced.append(accepted(pred, labels))
+    engine, forced = np.concatenate(engine), np.concatenate(forced)
+    return {"passes": int(len(engine)), "engine_tau": float(engine.mean()),
+            "teacher_forced_tau": float(forced.mean()),
+            "agreement": float((engine == forced).mean())}
+
+
+def plot(reports: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for name, rep in reports.items():
+        slots = np.arange(1, len(rep["base_slot_accuracy"]) + 1)
+        axes[0].plot(slots, rep["base_slot_accuracy"], marker="o", label=f"{name} base head")
+        if "chain_slot_accuracy" in rep:
+            axes[0].plot(slots, rep["chain_slot_accuracy"], marker="s",
+                         label=f"{name} chain head")
+            layers = np.arange(len(rep["layer_code_accuracy"]))
+            axes[1].bar(layers, rep["layer_code_accuracy"])
+            axes[2].bar(layers, rep["gate_mean_per_layer"])
+    axes[0].set(title="per-slot accuracy (teacher-forced)", xlabel="block slot", ylim=(0, 1))
+    axes[0].legend()
+    axes[1].set(title="DSpine: layer feature's nearest code = label", xlabel="draft layer")
+    axes[2].set(title="DSpine: mean gate per layer", xlabel="draft layer", ylim=(0, 1))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--drafter", action="append", required=True)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-prompt-tokens", type=int, default=512,
+                        help="use the first held-out prompts at most this long")
+    parser.add_argument("--stride", type=int, default=4, help="anchor every N tokens")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+
+    loaded = load_target(args.target, dtype=args.dtype)
+    ar = Pipeline.from_loaded(loaded)
+    held_out = (Prompt(p["prompt"], True) for p in sharegpt_prompts("heldout"))
+    prompts = [p for p in held_out if len(ar.encode(p)) <= args.max_prompt_tokens]
+    prompts = prompts[:args.prompts]
+    greedy = ar.generate(prompts, max_new_tokens=args.max_new_tokens,
+                         batch_size=len(prompts))
+    sequences = [(np.asarray(ar.encode(p) + r.tokens, np.int32), len(ar.encode(p)))
+                 for p, r in zip(prompts, greedy)]
+    reports = {}
+    for folder in args.drafter:
+        drafter = load_drafter(folder, dtype=loaded.model.dtype)
+        name = Path(folder).name
+        reports[name] = diagnose(loaded, drafter, sequences, args.stride)
+        reports[name]["engine_check"] = engine_check(
+            Pipeline.from_loaded(loaded, folder), drafter, prompts, args.max_new_tokens,
+            loaded)
+        print(name, json.dumps(reports[name]))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "diagnostics.json").write_text(json.dumps(reports, indent=2))
+    plot(reports, args.out / "diagnostics.png")
+
+
+if __name__ == "__main__":
+    main()
