@@ -72,12 +72,18 @@ def diagnose(loaded, drafter, sequences, stride: int) -> dict:
             nearest = np.argmax(feats_l @ codes.T, -1)                  # [L, n, S]
             layer_hits.append(nearest == labels[None])
             gates.append(np.asarray(out.gates))
+    def survival(taus):  # P(slots 1..s all accepted), s = 1..K-1: tau = 1 + its sum
+        taus = np.concatenate(taus)
+        return [float(np.mean(taus >= s + 1)) for s in range(1, k)]
+
     report = {"blocks": int(sum(len(h) for h in base_hits)),
               "base_slot_accuracy": np.concatenate(base_hits).mean(0).tolist(),
+              "base_prefix_survival": survival(base_tau),
               "base_tau": float(np.concatenate(base_tau).mean())}
     if spine:
         report.update(
             chain_slot_accuracy=np.concatenate(chain_hits).mean(0).tolist(),
+            chain_prefix_survival=survival(chain_tau),
             chain_tau=float(np.concatenate(chain_tau).mean()),
             layer_code_accuracy=np.concatenate(layer_hits, 1).mean((1, 2)).tolist(),
             gate_mean_per_layer=np.mean(gates, 0).tolist())
@@ -127,20 +133,25 @@ def plot(reports: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(19, 4))
     for name, rep in reports.items():
         slots = np.arange(1, len(rep["base_slot_accuracy"]) + 1)
-        axes[0].plot(slots, rep["base_slot_accuracy"], marker="o", label=f"{name} base head")
-        if "chain_slot_accuracy" in rep:
-            axes[0].plot(slots, rep["chain_slot_accuracy"], marker="s",
-                         label=f"{name} chain head")
+        for head in ("base", "chain"):
+            if f"{head}_slot_accuracy" in rep:
+                label = f"{name} {head} head"
+                axes[0].plot(slots, rep[f"{head}_slot_accuracy"], marker="o", label=label)
+                axes[1].plot(slots, rep[f"{head}_prefix_survival"], marker="o",
+                             label=f"{label} (tau {rep[f'{head}_tau']:.2f})")
+        if "layer_code_accuracy" in rep:
             layers = np.arange(len(rep["layer_code_accuracy"]))
-            axes[1].bar(layers, rep["layer_code_accuracy"])
-            axes[2].bar(layers, rep["gate_mean_per_layer"])
+            axes[2].bar(layers, rep["layer_code_accuracy"])
+            axes[3].bar(layers, rep["gate_mean_per_layer"])
     axes[0].set(title="per-slot accuracy (teacher-forced)", xlabel="block slot", ylim=(0, 1))
-    axes[0].legend()
-    axes[1].set(title="DSpine: layer feature's nearest code = label", xlabel="draft layer")
-    axes[2].set(title="DSpine: mean gate per layer", xlabel="draft layer", ylim=(0, 1))
+    axes[1].set(title="P(slots 1..s all accepted)", xlabel="s", ylim=(0, 1))
+    for ax in axes[:2]:
+        ax.legend()
+    axes[2].set(title="DSpine: layer feature's nearest code = label", xlabel="draft layer")
+    axes[3].set(title="DSpine: mean gate per layer", xlabel="draft layer", ylim=(0, 1))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -39,7 +39,7 @@ def workspace(tmp_path_factory):
             f.write(json.dumps({"prompt": f"the quick brown fox {i}", "chat": i % 2 == 0}) + "\n")
     result = CliRunner().invoke(app, [
         "data", "regenerate", "--target", str(model), "--source", str(root / "prompts.jsonl"),
-        "--out", str(root / "data"), "--max-new-tokens", "20", "--batch-size", "8",
+        "--out", str(root / "data"), "--max-new-tokens", "20", "--batch-size", "5",
         "--shard-size", "8"])
     assert result.exit_code == 0, result.output
     return root
@@ -77,11 +77,13 @@ def test_regenerated_data_are_the_targets_greedy_responses(workspace):
     assert [s["prompts"] for s in manifest["shards"]] == [8, 8, 8]
     sequences = load_dataset(workspace / "data")
     pipe = Pipeline.load(str(workspace / "model"))
-    ids = pipe.encode(Prompt("the quick brown fox 0", True))
-    want = pipe.decoder.generate([ids], max_new_tokens=20).generations[0].tokens
-    first = sequences[0]
-    assert first.tokens.tolist() == ids + want
-    assert not first.loss_mask[:len(ids)].any() and first.loss_mask[len(ids):].all()
+    # Batches of 5 in shards of 8: rows 5-7 were decoded in a batch padded to 5 rows.
+    for i in (0, 5, 6, 7):
+        ids = pipe.encode(Prompt(f"the quick brown fox {i}", i % 2 == 0))
+        want = pipe.decoder.generate([ids], max_new_tokens=20).generations[0].tokens
+        assert sequences[i].tokens.tolist() == ids + want, i
+        mask = sequences[i].loss_mask
+        assert not mask[:len(ids)].any() and mask[len(ids):].all()
 
 
 def test_regeneration_resumes_and_refuses_other_settings(workspace, tmp_path, monkeypatch):
@@ -261,3 +263,27 @@ def test_cached_features_train_like_online_ones(workspace, tmp_path):
     a, b = drafter_tensors(online), drafter_tensors(cached)
     for name in a:  # float16 storage of the features is the only difference
         np.testing.assert_allclose(b[name], a[name], atol=2e-4, err_msg=name)
+
+
+def test_sigterm_or_deadline_checkpoints_and_stops(workspace, tmp_path):
+    import os
+    import signal
+
+    from train.trainer import StopRequest
+
+    before = signal.getsignal(signal.SIGTERM)
+    request = StopRequest(0)
+    assert not request.now(10, 5)
+    os.kill(os.getpid(), signal.SIGTERM)          # a preempted host, or `timeout`
+    assert request.now(10, 5) and not request.now(11, 5)  # only at agreed steps
+    request.release()
+    assert signal.getsignal(signal.SIGTERM) == before
+
+    out = tmp_path / "run"
+    (tmp_path / "d.toml").write_text(config_text(workspace, out, steps=4))
+    stopped = run_cli("train", "--config", str(tmp_path / "d.toml"), "--set",
+                      "run.max_seconds=1e-6", "--set", "run.log_every=1")
+    assert stopped.exit_code == 0 and "stopped at step 1" in stopped.output
+    assert (out / "checkpoints" / "1").is_dir() and not (out / "drafter").exists()
+    again = run_cli("train", "--config", str(tmp_path / "d.toml"), "--set", "run.log_every=1")
+    assert again.exit_code == 0 and "finished at step 4" in again.output

@@ -74,6 +74,7 @@ class RunSection:
     checkpoint_every: int = 200
     keep_checkpoints: int = 3
     stop_after: int = 0                    # >0: stop (as if killed) after this many steps
+    max_seconds: float = 0                 # >0: checkpoint and stop after this long (resumable)
 
 
 @dataclasses.dataclass(frozen=True)

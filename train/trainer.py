@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import json
+import signal
 import time
 from pathlib import Path
 
@@ -361,6 +362,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
                desc=f"train {dc.kind}")
     window_start, window_steps, last, timing = time.perf_counter(), 0, {}, False
     cached = open_features(cfg, dc, len(stream.tokens)) if cfg.data.cached_features else None
+    stopping = StopRequest(cfg.run.max_seconds)
     while step < stop_at:
         tokens, mask, rows = stream.next()
         batch = [sharding.global_batch(local_rows(tokens), mesh),
@@ -376,6 +378,8 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
         step += 1
         window_steps += 1
         bar.update(1)
+        if step < stop_at and stopping.now(step, cfg.run.log_every):
+            stop_at = step  # checkpoint below, then leave: a rerun resumes from here
         if not timing:  # the first step compiled: time from here on
             jax.block_until_ready(params)
             window_start, window_steps, timing = time.perf_counter(), 0, True
@@ -402,6 +406,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
                              {"step": step, "data_position": stream.position,
                               "config": _resumable(cfg)})
     bar.close()
+    stopping.release()
     checkpoints.wait()
     summary = {"steps": step, "finished": step >= cfg.run.steps, "out": str(out),
                "truncated_sequences": stream.truncated, "last": last,
@@ -416,12 +421,45 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
     return summary
 
 
+class StopRequest:
+    """Stop cleanly (checkpoint, then exit) on SIGTERM — a preempted TPU host, `timeout` —
+    or after `max_seconds`. Hosts agree on the step: the flags are gathered every
+    `log_every` steps, so every process saves the same checkpoint."""
+
+    def __init__(self, max_seconds: float):
+        self.deadline = time.monotonic() + max_seconds if max_seconds > 0 else None
+        self.signalled = False
+        self._previous = None
+        try:
+            self._previous = signal.signal(signal.SIGTERM, self._on_term)
+        except ValueError:  # not the main thread: no handler, the deadline still works
+            pass
+
+    def _on_term(self, signum, frame):
+        self.signalled = True
+
+    def now(self, step: int, every: int) -> bool:
+        if step % max(every, 1):
+            return False
+        wanted = self.signalled or (self.deadline is not None
+                                    and time.monotonic() > self.deadline)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            wanted = bool(np.any(multihost_utils.process_allgather(np.asarray(wanted))))
+        return wanted
+
+    def release(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
 # bf16 dense peak (H100/H200 datasheet) for MFU; other platforms report none.
 PEAK_FLOPS = {"gpu": 989e12}
 
 
 def _resumable(cfg: TrainConfig) -> dict:
-    """The config a resumed run must match (stop_after only says when to stop)."""
+    """The config a resumed run must match (stop_after/max_seconds only say when to stop)."""
     d = cfg.to_dict()
-    d["run"] = {k: v for k, v in d["run"].items() if k != "stop_after"}
+    d["run"] = {k: v for k, v in d["run"].items() if k not in ("stop_after", "max_seconds")}
     return d
