@@ -42,9 +42,21 @@ def block_view(out: DraftOutput, i: int) -> DraftOutput:
                        gates=None)
 
 
+def teacher_forced(model, drafter, tokens: np.ndarray, anchors: np.ndarray):
+    """The training forward over one sequence: blocks at `anchors` see the true context.
+    Returns the DraftOutput and each block's labels [n, K-1]."""
+    toks = jnp.asarray(tokens[None])
+    feats = model(toks, hidden_layer_ids=drafter.config.target_layer_ids,
+                  return_logits=False).features()
+    out = drafter.forward_train(toks, feats, jnp.asarray(anchors[None]),
+                                model.input_embedding(), model.output_embedding())
+    k = drafter.config.block_size
+    return out, tokens[anchors[:, None] + np.arange(1, k)]
+
+
 def diagnose(loaded, drafter, sequences, stride: int) -> dict:
     model = loaded.model
-    e_in, e_out = model.input_embedding(), model.output_embedding()
+    e_out = model.output_embedding()
     k = drafter.config.block_size
     spine = drafter.config.dspine is not None
     base_hits, chain_hits, base_tau, chain_tau, layer_hits, gates = [], [], [], [], [], []
@@ -53,11 +65,7 @@ def diagnose(loaded, drafter, sequences, stride: int) -> dict:
         anchors = np.arange(prompt_len, len(tokens) - k + 1, stride, dtype=np.int32)
         if len(anchors) == 0:
             continue
-        toks = jnp.asarray(tokens[None])
-        feats = model(toks, hidden_layer_ids=drafter.config.target_layer_ids,
-                      return_logits=False).features()
-        out = drafter.forward_train(toks, feats, jnp.asarray(anchors[None]), e_in, e_out)
-        labels = tokens[anchors[:, None] + np.arange(1, k)]              # [n, S]
+        out, labels = teacher_forced(model, drafter, tokens, anchors)    # labels [n, S]
         base = np.asarray(jnp.argmax(out.logits[0, :, 1:], -1))         # [n, S]
         base_hits.append(base == labels)
         base_tau.append(accepted(base, labels))
@@ -93,7 +101,7 @@ def diagnose(loaded, drafter, sequences, stride: int) -> dict:
 def engine_check(pipe: Pipeline, drafter, prompts, max_new_tokens: int, loaded) -> dict:
     """Engine pass lengths vs the teacher-forced rule at the engine's own anchors (T=0)."""
     model = loaded.model
-    e_in, e_out = model.input_embedding(), model.output_embedding()
+    e_out = model.output_embedding()
     k = drafter.config.block_size
     spine = drafter.config.dspine is not None
     results = pipe.generate(prompts, max_new_tokens=max_new_tokens, batch_size=len(prompts))
@@ -107,11 +115,7 @@ def engine_check(pipe: Pipeline, drafter, prompts, max_new_tokens: int, loaded) 
         anchors, lens = anchors[keep], lens[keep]
         if len(anchors) == 0:
             continue
-        toks = jnp.asarray(tokens[None])
-        feats = model(toks, hidden_layer_ids=drafter.config.target_layer_ids,
-                      return_logits=False).features()
-        out = drafter.forward_train(toks, feats, jnp.asarray(anchors[None]), e_in, e_out)
-        labels = tokens[anchors[:, None] + np.arange(1, k)]
+        out, labels = teacher_forced(model, drafter, tokens, anchors)
         if spine:
             greedy = SamplingParams.create(len(anchors), 0.0, 1.0, 0)
             pred = np.asarray(propose_chain(drafter, block_view(out, 0),
