@@ -124,7 +124,8 @@ def drafter_loss(config: LossConfig, drafter: BlockDrafter, out: DraftOutput, la
         metrics["refined_accuracy"] = _mean_over(refined_top[..., 0] == labels, supervised)
 
     if config.alignment_weight > 0:
-        codes = drafter.code(labels, output_embedding) / math.sqrt(drafter.config.dspine.transfer_rank)
+        rank = drafter.config.dspine.transfer_rank
+        codes = drafter.code(labels, output_embedding) / math.sqrt(rank)  # unit c_label
         f = out.features                                                # [L, B, n, K, r]
         cos = jnp.sum(f * codes[None], -1) / jnp.maximum(jnp.linalg.norm(f, axis=-1), 1e-6)
         misalign = jnp.sum(1.0 - cos, axis=0)                           # [B, n, K]

@@ -26,7 +26,8 @@ from flax import nnx, struct
 from dspine_jax.drafters.blocks import predecessor_tokens
 from dspine_jax.drafters.config import DrafterConfig
 from dspine_jax.drafters.injection import Injection
-from dspine_jax.drafters.transfer import TransferSpace, build_transfer_space, transfer_codes
+from dspine_jax.drafters.transfer import (TransferSpace, build_transfer_space, code_table,
+                                          transfer_codes)
 from dspine_jax.kv_cache import KVCache, write_kv
 from dspine_jax.layers import Linear, RMSNorm, dot_product_attention
 from dspine_jax.target import DecoderLayer
@@ -123,9 +124,7 @@ class BlockDrafter(nnx.Module):
 
     def code_table(self, output_embedding) -> np.ndarray:
         """All V codes c_v [V, r] float32 (the reference's `transfer_codes` table)."""
-        space = TransferSpace(whiten=self.transfer_whiten[...], mean=self.transfer_mean[...],
-                              projection=None, eigenvalues=None)
-        return space.codes(output_embedding)
+        return code_table(output_embedding, self.transfer_mean[...], self.transfer_whiten[...])
 
     def _block_inputs(self, anchor_tokens: jax.Array, input_embedding: jax.Array):
         """[anchor, MASK, ..., MASK] per block, embedded with the frozen E_in: [B, n, K, D]."""
@@ -179,7 +178,7 @@ class BlockDrafter(nnx.Module):
         """Gated adjacent injection after `layer` for slots 1..K-1 of every block."""
         spine = self.config.dspine
         phi = self.injection.feature(layer, h)                      # [B, n, K, r]
-        anchor = self.code(anchor_tokens, output_embedding)[:, :, None]             # [B, n, 1, r]
+        anchor = self.code(anchor_tokens, output_embedding)[:, :, None]  # [B, n, 1, r]
         # p_1 = the anchor's code, p_i = phi(h_{i-1}) for i >= 2 (slot 0 gets no write).
         pred = jnp.concatenate([anchor, anchor, phi[:, :, 1:-1]], axis=2)
         if teacher_tokens is not None and replace is not None and spine.teacher_replacement \

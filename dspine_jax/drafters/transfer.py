@@ -2,9 +2,10 @@
 
 Token v's code is its whitened, unit-length lm_head direction in the top-r principal
 subspace of the (L2-normalised) rows. Only the whitening map [H, r] is stored: codes are
-computed from lm_head rows when needed (a [V, r] table would be 300 MB for Qwen3's vocab). Hidden states are read into the same space by
-per-layer readouts initialised to the same projection, so a hidden state and the token
-it predicts can be compared (and written into a successor) in one r-dim space.
+computed from lm_head rows when needed (a [V, r] table would be 300 MB for Qwen3's
+vocabulary). Hidden states are read into the same space by per-layer readouts
+initialised to the same projection, so a hidden state and the token it predicts can be
+compared (and written into a successor) in one r-dim space.
 
 Shape legend: V vocab, H hidden, r transfer rank.
 """
@@ -28,12 +29,7 @@ class TransferSpace:
     eigenvalues: np.ndarray  # [r] descending
 
     def codes(self, output_embedding) -> np.ndarray:
-        """The whole code table [V, r] float32 (for inspection and tests; the drafter
-        computes only the rows it needs)."""
-        e_out = jnp.asarray(output_embedding, jnp.float32)
-        return np.concatenate([np.asarray(transfer_codes(e_out[s:s + 8192], self.mean,
-                                                         self.whiten))
-                               for s in range(0, e_out.shape[0], 8192)])
+        return code_table(output_embedding, self.mean, self.whiten)
 
 
 def unit_rows(rows):
@@ -46,9 +42,17 @@ def transfer_codes(rows, mean, whiten):
     return unit_rows(centred @ jnp.asarray(whiten, jnp.float32))
 
 
+def code_table(output_embedding, mean, whiten, *, chunk: int = 8192) -> np.ndarray:
+    """All V codes [V, r] float32 (for export, inspection and tests; the drafter computes
+    only the rows it needs)."""
+    e_out = jnp.asarray(output_embedding, jnp.float32)
+    return np.concatenate([np.asarray(transfer_codes(e_out[s:s + chunk], mean, whiten))
+                           for s in range(0, e_out.shape[0], chunk)])
+
+
 def build_transfer_space(output_embedding, rank: int, *, chunk: int = 8192) -> TransferSpace:
-    """output_embedding E_out [V, H] -> whitening map and projection. Covariance accumulates in
-    float32 over row chunks (bounded memory for 150k vocabularies); the eigensolve is
+    """output_embedding E_out [V, H] -> whitening map and projection. Covariance
+    accumulates in float32 over row chunks (bounded memory for 150k vocabularies); the eigensolve is
     float64 on the host (H x H)."""
     e_out = jnp.asarray(output_embedding, jnp.float32)
     vocab, hidden = e_out.shape
