@@ -35,11 +35,20 @@ def accepted(pred: np.ndarray, labels: np.ndarray) -> np.ndarray:
     return np.argmin(ok, -1) + 1
 
 
-def block_view(out: DraftOutput, i: int) -> DraftOutput:
-    """Sequence i's blocks as a batch of one-block drafts: [n, 1, K, ...]."""
-    return DraftOutput(logits=out.logits[i][:, None], hidden=out.hidden[i][:, None],
-                       pre_injection=out.pre_injection[i][:, None], features=None,
-                       gates=None)
+def base_tokens(out: DraftOutput) -> np.ndarray:
+    """Per-slot argmax of one sequence's blocks [n, K-1] (DFlash's greedy draft)."""
+    return np.asarray(jnp.argmax(out.logits[0, :, 1:], -1))
+
+
+def chain_tokens(drafter, out: DraftOutput, anchor_tokens: np.ndarray, e_out) -> np.ndarray:
+    """DSpine's greedy chain draft [n, K-1]: the sequence's n blocks decoded as a batch of
+    one-block drafts, exactly as the engine decodes one block."""
+    blocks = DraftOutput(logits=out.logits[0][:, None], hidden=out.hidden[0][:, None],
+                         pre_injection=out.pre_injection[0][:, None], features=None,
+                         gates=None)
+    greedy = SamplingParams.create(len(anchor_tokens), 0.0, 1.0, 0)
+    return np.asarray(propose_chain(drafter, blocks, jnp.asarray(anchor_tokens), e_out,
+                                    greedy, jax.random.key(0)).tokens)
 
 
 def teacher_forced(model, drafter, tokens: np.ndarray, anchors: np.ndarray):
@@ -66,20 +75,18 @@ def diagnose(loaded, drafter, sequences, stride: int) -> dict:
         if len(anchors) == 0:
             continue
         out, labels = teacher_forced(model, drafter, tokens, anchors)    # labels [n, S]
-        base = np.asarray(jnp.argmax(out.logits[0, :, 1:], -1))         # [n, S]
+        base = base_tokens(out)                                          # [n, S]
         base_hits.append(base == labels)
         base_tau.append(accepted(base, labels))
         if spine:
-            greedy = SamplingParams.create(len(anchors), 0.0, 1.0, 0)
-            chain = propose_chain(drafter, block_view(out, 0), jnp.asarray(tokens[anchors]),
-                                  e_out, greedy, jax.random.key(0)).tokens
-            chain = np.asarray(chain)
+            chain = chain_tokens(drafter, out, tokens[anchors], e_out)
             chain_hits.append(chain == labels)
             chain_tau.append(accepted(chain, labels))
             feats_l = np.asarray(out.features[:, 0, :, 1:])             # [L, n, S, r]
             nearest = np.argmax(feats_l @ codes.T, -1)                  # [L, n, S]
             layer_hits.append(nearest == labels[None])
             gates.append(np.asarray(out.gates))
+
     def survival(taus):  # P(slots 1..s all accepted), s = 1..K-1: tau = 1 + its sum
         taus = np.concatenate(taus)
         return [float(np.mean(taus >= s + 1)) for s in range(1, k)]
@@ -116,13 +123,7 @@ def engine_check(pipe: Pipeline, drafter, prompts, max_new_tokens: int, loaded) 
         if len(anchors) == 0:
             continue
         out, labels = teacher_forced(model, drafter, tokens, anchors)
-        if spine:
-            greedy = SamplingParams.create(len(anchors), 0.0, 1.0, 0)
-            pred = np.asarray(propose_chain(drafter, block_view(out, 0),
-                                            jnp.asarray(tokens[anchors]), e_out, greedy,
-                                            jax.random.key(0)).tokens)
-        else:
-            pred = np.asarray(jnp.argmax(out.logits[0, :, 1:], -1))
+        pred = chain_tokens(drafter, out, tokens[anchors], e_out) if spine else base_tokens(out)
         engine.append(lens)
         forced.append(accepted(pred, labels))
     engine, forced = np.concatenate(engine), np.concatenate(forced)
