@@ -124,7 +124,9 @@ def plot(report: dict, path: Path) -> None:
             ax.bar(np.arange(len(names)) + i * width, values, width, label=label)
         ax.set_xticks(np.arange(len(names)) + width * (len(labels) - 1) / 2, names, rotation=30)
         ax.set_title(f"{title}, T = {report['temperature']}")
-        ax.legend()
-    fig.tight_layout()
+    # one legend under both panels: inside, it covers the bars
+    handles, texts = axes[0].get_legend_handles_labels()
+    fig.legend(handles, texts, loc="lower center", ncol=len(labels), frameon=False)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
