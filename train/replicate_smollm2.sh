@@ -7,23 +7,33 @@
 #   train/replicate_smollm2.sh [data|train|eval|all] ...
 #
 # Environment knobs (defaults = the published run):
-#   PROMPTS=16000 MAX_NEW=256 STEPS=2000 EVAL_LIMIT=64 EVAL_BATCH=32 EVAL_PROMPT=768 RUNS=runs
+#   PROMPTS=16000 MAX_NEW=256 STEPS=2000 EVAL_LIMIT=32 EVAL_BATCH=32 EVAL_PROMPT=768 RUNS=runs
 #   KINDS="dspine dflash dflash-cel1"  TEMPS="0 1"  TRAIN_SET="..." (extra --set for train)
-#   Ablation kinds: dspine-no-injection dspine-no-teacher dspine-bidirectional
-#   dspine-no-alignment dspine-no-chain dspine-ce
+#   Ablation kinds (one DSpine switch off each, ABLATIONS below): dspine-no-injection
+#   dspine-no-teacher dspine-bidirectional dspine-no-alignment dspine-no-chain dspine-ce
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PROMPTS=${PROMPTS:-16000}
 MAX_NEW=${MAX_NEW:-256}
 STEPS=${STEPS:-2000}
-EVAL_LIMIT=${EVAL_LIMIT:-64}
+EVAL_LIMIT=${EVAL_LIMIT:-32}
 EVAL_BATCH=${EVAL_BATCH:-32}
 EVAL_PROMPT=${EVAL_PROMPT:-768}
 RUNS=${RUNS:-runs}
 KINDS=${KINDS:-"dspine dflash dflash-cel1"}
 TEMPS=${TEMPS:-"0 1"}
 TRAIN_SET=${TRAIN_SET:-}
+
+# Ablations: DSpine with one switch of the design doc turned off.
+declare -A ABLATIONS=(
+  [dspine-no-injection]=drafter.injection=false
+  [dspine-no-teacher]=drafter.teacher_replacement=false
+  [dspine-bidirectional]=drafter.causal_block=false
+  [dspine-no-alignment]=drafter.alignment=false
+  [dspine-no-chain]=drafter.refinement_head=false
+  [dspine-ce]=loss.backbone=ce
+)
 
 timed() {  # timed NAME CMD...: run CMD and append its wall time to $RUNS/wall_times.tsv
   local name=$1 start
@@ -50,20 +60,9 @@ stage_train() {
       dflash) config=train/configs/smollm2_dflash.toml ;;
       dflash-cel1) config=train/configs/smollm2_dflash.toml
                    extra=(--set loss.backbone=ce+l1) ;;
-      # ablations: DSpine with one switch of the design doc turned off
-      dspine-no-injection) config=train/configs/smollm2_dspine.toml
-                           extra=(--set drafter.injection=false) ;;
-      dspine-no-teacher) config=train/configs/smollm2_dspine.toml
-                         extra=(--set drafter.teacher_replacement=false) ;;
-      dspine-bidirectional) config=train/configs/smollm2_dspine.toml
-                            extra=(--set drafter.causal_block=false) ;;
-      dspine-no-alignment) config=train/configs/smollm2_dspine.toml
-                           extra=(--set drafter.alignment=false) ;;
-      dspine-no-chain) config=train/configs/smollm2_dspine.toml
-                       extra=(--set drafter.refinement_head=false) ;;
-      dspine-ce) config=train/configs/smollm2_dspine.toml
-                 extra=(--set loss.backbone=ce) ;;
-      *) echo "unknown drafter run $kind" >&2; exit 2 ;;
+      *) [[ -n ${ABLATIONS[$kind]:-} ]] || { echo "unknown drafter run $kind" >&2; exit 2; }
+         config=train/configs/smollm2_dspine.toml
+         extra=(--set "${ABLATIONS[$kind]}") ;;
     esac
     for kv in $TRAIN_SET; do extra+=(--set "$kv"); done
     timed "train-$kind" dspine train --config "$config" "${extra[@]}" \
