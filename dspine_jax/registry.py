@@ -127,8 +127,6 @@ def check_sha256(path: Path, expected: str, origin: str) -> None:
 # Built-in drafters: trained by the replication run (train/replicate_smollm2.sh, see
 # docs/replication.md) and shipped in the source tree, bf16 safetensors.
 DRAFTER_ASSETS = Path(__file__).parent / "assets" / "drafters"
-
-
 BUILTIN_DRAFTERS = {  # name -> sha256 of its model.safetensors
     "smollm2-135m-instruct-dflash":
         "bb070aa0648d01bd95672d8a31d60f37e5fa07732874daa18b96e911afde5af1",
@@ -145,7 +143,8 @@ def resolve_drafter(name_or_path: str) -> Path:
         if not weights.is_file():
             raise CheckpointError(f"built-in drafter {name_or_path!r}: {weights} is missing; "
                                   "reinstall dspine-jax from a full checkout")
-        check_sha256(weights, BUILTIN_DRAFTERS[name_or_path], f"built-in drafter {name_or_path!r}")
+        check_sha256(weights, BUILTIN_DRAFTERS[name_or_path],
+                     f"built-in drafter {name_or_path!r}")
         return folder
     path = Path(name_or_path).expanduser()
     if not path.exists():

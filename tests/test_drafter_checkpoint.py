@@ -18,7 +18,6 @@ from dspine_jax.errors import CheckpointError, ConfigError
 from tests.test_drafters import ANCHORS, TARGET, TOKENS, features, make
 
 
-
 def dflash_names(layers: int) -> list[str]:
     return ["fc.weight", "hidden_norm.weight", "norm.weight"] + [
         f"layers.{i}.{n}" for i in range(layers) for n in (
