@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from dspine_jax.drafters.config import DrafterConfig
 from dspine_jax.drafters.model import BlockDrafter, DraftOutput
 from dspine_jax.errors import ConfigError
+from dspine_jax.sampling import top_k_indices
 
 BACKBONE_LOSSES = ("ce", "ce+l1")
 
@@ -102,7 +103,7 @@ def drafter_loss(config: LossConfig, drafter: BlockDrafter, out: DraftOutput, la
     per_slot = backbone
 
     num_candidates = min(config.top_k, out.logits.shape[-1])
-    candidates = jax.lax.top_k(jax.lax.stop_gradient(out.logits), num_candidates)[1]  # [B,n,K,C]
+    candidates = top_k_indices(jax.lax.stop_gradient(out.logits), num_candidates)  # [B,n,K,C]
     label_in = jnp.any(candidates == labels[..., None], -1)
     metrics["coverage"] = jnp.sum(label_in * supervised) / jnp.maximum(jnp.sum(supervised), 1)
 

@@ -34,6 +34,16 @@ class SamplingParams:
                    full(top_k, jnp.int32), all_greedy=temperature == 0)
 
 
+def top_k_indices(x: jax.Array, k: int) -> jax.Array:
+    """Indices [..., k] int32 of the k largest entries along the last axis.
+
+    Leading axes are flattened first: XLA's CPU backend keeps its TopK kernel only for
+    rank-2 operands and lowers higher ranks to a full sort of the last axis (15 x 49,152
+    logits: 128 ms instead of 2 ms on 2 cores)."""
+    flat = jax.lax.top_k(x.reshape(-1, x.shape[-1]), k)[1]
+    return flat.reshape(x.shape[:-1] + (k,)).astype(jnp.int32)
+
+
 def validate_sampling(temperature: float, top_p: float, top_k: int) -> None:
     if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)
             and temperature >= 0):

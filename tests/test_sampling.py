@@ -9,7 +9,7 @@ import pytest
 
 from dspine_jax.errors import InputError
 from dspine_jax.sampling import (SamplingParams, sample_tokens, target_probabilities,
-                                 validate_sampling, warp_logits)
+                                 top_k_indices, validate_sampling, warp_logits)
 
 
 def reference_probs(logits, temperature, top_p, top_k):
@@ -81,3 +81,11 @@ def test_bad_sampling_params_are_named(kwargs, word):
     args = dict(temperature=1.0, top_p=1.0, top_k=0) | kwargs
     with pytest.raises(InputError, match=word):
         validate_sampling(**args)
+
+
+def test_top_k_indices_match_numpy_on_any_rank():
+    x = np.random.default_rng(0).standard_normal((2, 3, 4, 50)).astype(np.float32)
+    want = np.argsort(-x, axis=-1)[..., :5]                  # distinct values: no ties
+    got = np.asarray(top_k_indices(jnp.asarray(x), 5))
+    assert got.shape == (2, 3, 4, 5) and got.dtype == np.int32
+    np.testing.assert_array_equal(got, want)

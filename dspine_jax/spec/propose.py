@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from dspine_jax.drafters.model import BlockDrafter, DraftOutput
-from dspine_jax.sampling import SamplingParams, warp_logits
+from dspine_jax.sampling import SamplingParams, top_k_indices, warp_logits
 
 
 @struct.dataclass
@@ -55,7 +55,7 @@ def propose_chain(drafter: BlockDrafter, out: DraftOutput, anchor: jax.Array,
     base = out.logits[:, 0, 1:]                                         # [B, S, V]
     b, s, vocab = base.shape
     c = min(drafter.config.dspine.top_k, vocab)
-    candidates = jax.lax.top_k(base, c)[1].astype(jnp.int32)            # [B, S, C]
+    candidates = top_k_indices(base, c)                                 # [B, S, C]
     # Predecessor candidates of slot i: the anchor for slot 1, slot i-1's candidates after.
     preds = jnp.concatenate([jnp.broadcast_to(anchor[:, None, None], (b, 1, c)),
                              candidates[:, :-1]], axis=1)               # [B, S, C]
