@@ -7,7 +7,7 @@
 #   train/replicate_smollm2.sh [data|train|eval|all] ...
 #
 # Environment knobs (defaults = the published run):
-#   PROMPTS=16000 MAX_NEW=256 STEPS=2000 EVAL_LIMIT=32 EVAL_BATCH=32 EVAL_PROMPT=768 RUNS=runs
+#   PROMPTS=16000 MAX_NEW=256 REGEN_BATCH=128 STEPS=2000 EVAL_LIMIT=32 EVAL_BATCH=32 EVAL_PROMPT=768 RUNS=runs
 #   KINDS="dspine dflash dflash-cel1"  TEMPS="0 1"  TRAIN_SET="..." (extra --set for train)
 #   Ablation kinds (one DSpine switch off each, ABLATIONS below): dspine-no-injection
 #   dspine-no-teacher dspine-bidirectional dspine-no-alignment dspine-no-chain dspine-ce
@@ -16,6 +16,7 @@ cd "$(dirname "$0")/.."
 
 PROMPTS=${PROMPTS:-16000}
 MAX_NEW=${MAX_NEW:-256}
+REGEN_BATCH=${REGEN_BATCH:-128}
 STEPS=${STEPS:-2000}
 EVAL_LIMIT=${EVAL_LIMIT:-32}
 EVAL_BATCH=${EVAL_BATCH:-32}
@@ -45,7 +46,7 @@ timed() {  # timed NAME CMD...: run CMD and append its wall time to $RUNS/wall_t
 
 stage_data() {
   timed data dspine data regenerate --out "$RUNS/data/sharegpt" --limit "$PROMPTS" \
-    --max-new-tokens "$MAX_NEW" --batch-size 128
+    --max-new-tokens "$MAX_NEW" --batch-size "$REGEN_BATCH"
 }
 
 stage_train() {
