@@ -225,3 +225,26 @@ def test_mismatched_drafter_is_refused():
     _, other = build(SMALL, kind="dflash", block=4)
     with pytest.raises(ConfigError, match="drafter and target disagree"):
         SpeculativeEngine(target, other)
+
+
+def test_greedy_dspine_proposal_compiles_without_a_vocabulary_sort():
+    """XLA's CPU backend lowers a rank-3 top_k over [B, S, V] to a full sort of the
+    vocabulary (11x the draft time at SmolLM2's shapes); the proposal must keep TopK."""
+    import re
+
+    from dspine_jax.drafters.model import DraftOutput
+    from dspine_jax.spec.propose import propose
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the lowering checked here is XLA CPU's")
+    target, drafter = build()
+    graph, state = nnx.split(drafter)
+    k, d = drafter.config.block_size, TARGET.hidden_size
+    out = DraftOutput(logits=jnp.zeros((2, 1, k, TARGET.vocab_size)),
+                      hidden=jnp.zeros((2, 1, k, d)), pre_injection=jnp.zeros((2, 1, k, d)),
+                      features=None, gates=None)
+    sampling = SamplingParams.create(2, 0.0)
+    step = jax.jit(lambda state, out, anchor, e_out: propose(
+        nnx.merge(graph, state), out, anchor, e_out, sampling, jax.random.key(0)))
+    hlo = step.lower(state, out, jnp.array([1, 2]), target.output_embedding()).compile()
+    assert not re.search(r"\bsort\(", hlo.as_text())
