@@ -52,8 +52,8 @@ def code_table(output_embedding, mean, whiten, *, chunk: int = 8192) -> np.ndarr
 
 def build_transfer_space(output_embedding, rank: int, *, chunk: int = 8192) -> TransferSpace:
     """output_embedding E_out [V, H] -> whitening map and projection. Covariance
-    accumulates in float32 over row chunks (bounded memory for 150k vocabularies); the eigensolve is
-    float64 on the host (H x H)."""
+    accumulates in float32 over row chunks (bounded memory for 150k vocabularies); the
+    eigensolve is float64 on the host (H x H)."""
     e_out = jnp.asarray(output_embedding, jnp.float32)
     vocab, hidden = e_out.shape
     if rank > hidden:
