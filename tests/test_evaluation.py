@@ -53,3 +53,20 @@ def test_eval_reports_every_method(tiny_llama_dir, tmp_path):
     assert all(1.0 <= r["accept_length"] <= 4 for r in row.values())
     assert "| mtbench |" in (tmp_path / "eval" / "results.md").read_text()
     assert (tmp_path / "eval" / "acceptance.png").stat().st_size > 10_000
+
+
+def test_drafter_columns_are_unambiguous():
+    from dspine_jax.evaluation.run import drafter_labels
+
+    # One drafter per kind: the kind alone.
+    assert drafter_labels(["dflash", "dspine"], ["runs/a/drafter", "smollm2-x-dspine"]) == \
+        ["dflash", "dspine"]
+    # Two of a kind: both carry their run name (the first used to be labelled by kind only,
+    # which hid which run it was).
+    assert drafter_labels(["dspine", "dspine", "dflash"],
+                          ["runs/smollm2-dspine-no-chain/drafter", "runs/abl/drafter",
+                           "runs/d/drafter"]) == \
+        ["dspine:smollm2-dspine-no-chain", "dspine:abl", "dflash"]
+    # The same run twice still gives two columns.
+    assert drafter_labels(["dspine", "dspine"], ["r/drafter", "r/drafter"]) == \
+        ["dspine:r", "dspine:r'"]

@@ -145,16 +145,21 @@ def flops_per_step(target_config, drafter: BlockDrafter, batch: int, seq_len: in
 
 
 # ----- the step -------------------------------------------------------------------------
-def make_step(cfg: TrainConfig, target_graph, drafter_graph, rest, tx, loss_config,
+def make_step(cfg: TrainConfig, target_graph, drafter_graph, tx, loss_config,
               drafter_config: DrafterConfig, compute_dtype):
+    """The jitted training step. Every array it reads is an argument: a closed-over array
+    becomes a constant of the compiled program, which is wasteful (DSpine's transfer basis
+    is [H, r]) and, on two H200s under JAX 0.11.2, came out as garbage (NaN losses with
+    data parallelism, zero transfer terms with fsdp) while one GPU and fake CPU devices were
+    fine."""
     k = drafter_config.block_size
     n = cfg.data.blocks_per_seq
     spine = drafter_config.dspine
     ids = drafter_config.target_layer_ids
     needs_target = loss_config.backbone == "ce+l1" or loss_config.refinement
 
-    def step(target_params, params, opt_state, step, rng, tokens, loss_mask, features=None,
-             final_hidden=None):
+    def step(target_params, rest, params, opt_state, step, rng, tokens, loss_mask,
+             features=None, final_hidden=None):
         """features/final_hidden: cached target outputs, else the target runs here."""
         target = nnx.merge(target_graph, target_params)
         rng, anchor_key, replace_key = jax.random.split(rng, 3)
@@ -350,8 +355,8 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
     if lead:
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
 
-    step_fn = jax.jit(make_step(cfg, target_graph, drafter_graph, rest, tx, loss_config, dc,
-                                compute_dtype), donate_argnums=(1, 2))
+    step_fn = jax.jit(make_step(cfg, target_graph, drafter_graph, tx, loss_config, dc,
+                                compute_dtype), donate_argnums=(2, 3))
     log = MetricsLog(out / "metrics.csv", dc.block_size, lead)
     flops = flops_per_step(loaded.config, drafter, cfg.run.batch_size, cfg.data.seq_len,
                            cfg.data.blocks_per_seq)
@@ -363,54 +368,59 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
     window_start, window_steps, last, timing = time.perf_counter(), 0, {}, False
     cached = open_features(cfg, dc, len(stream.tokens)) if cfg.data.cached_features else None
     stopping = StopRequest(cfg.run.max_seconds)
-    while step < stop_at:
-        tokens, mask, rows = stream.next()
-        batch = [sharding.global_batch(local_rows(tokens), mesh),
-                 sharding.global_batch(local_rows(mask), mesh)]
-        if cached is not None:
-            mine = local_rows(rows)
-            order = np.argsort(mine)  # memory-mapped reads in file order
-            back = np.argsort(order)
-            batch += [sharding.global_batch(np.asarray(a[mine[order]])[back], mesh)
-                      for a in cached]
-        params, opt_state, step_arr, rng, metrics = step_fn(
-            target_params, params, opt_state, jnp.asarray(step, jnp.int32), rng, *batch)
-        step += 1
-        window_steps += 1
-        bar.update(1)
-        if step < stop_at and stopping.now(step, cfg.run.log_every):
-            stop_at = step  # checkpoint below, then leave: a rerun resumes from here
-        if not timing:  # the first step compiled: time from here on
-            jax.block_until_ready(params)
-            window_start, window_steps, timing = time.perf_counter(), 0, True
-        if (step % cfg.run.log_every == 0 or step == stop_at) and window_steps:
-            metrics = jax.device_get(metrics)
-            elapsed = time.perf_counter() - window_start
-            row = {"step": step, "lr": float(schedule(step - 1))}
-            for key in SCALARS:
-                if key in metrics:
-                    row[key] = float(metrics[key])
-            for s, acc in enumerate(np.asarray(metrics["slot_accuracy"])[1:], 1):
-                row[f"slot_acc_{s}"] = float(acc)
-            row["tokens_per_s"] = window_steps * cfg.run.batch_size * cfg.data.seq_len / elapsed
-            peak = PEAK_FLOPS.get(jax.devices()[0].platform)
-            if peak:
-                row["mfu"] = window_steps * flops / elapsed / peak / jax.device_count()
-            log.write(row)
-            bar.set_postfix(loss=f"{row['loss']:.3f}", tau=f"{row['accept_len_blocks']:.2f}")
-            last = row
-            window_start, window_steps = time.perf_counter(), 0
-        if step % cfg.run.checkpoint_every == 0 or step == stop_at:
-            checkpoints.save(step, {"params": params, "opt_state": opt_state,
-                                    "rng": jax.random.key_data(rng)},
-                             {"step": step, "data_position": stream.position,
-                              "config": _resumable(cfg)})
-    bar.close()
-    stopping.release()
+    try:
+        while step < stop_at:
+            tokens, mask, rows = stream.next()
+            batch = [sharding.global_batch(local_rows(tokens), mesh),
+                     sharding.global_batch(local_rows(mask), mesh)]
+            if cached is not None:
+                mine = local_rows(rows)
+                order = np.argsort(mine)  # memory-mapped reads in file order
+                back = np.argsort(order)
+                batch += [sharding.global_batch(np.asarray(a[mine[order]])[back], mesh)
+                          for a in cached]
+            params, opt_state, step_arr, rng, metrics = step_fn(
+                target_params, rest, params, opt_state, jnp.asarray(step, jnp.int32), rng,
+                *batch)
+            step += 1
+            window_steps += 1
+            bar.update(1)
+            if step < stop_at and stopping.now(step, cfg.run.log_every):
+                stop_at = step  # checkpoint below, then leave: a rerun resumes from here
+            if not timing:  # the first step compiled: time from here on
+                jax.block_until_ready(params)
+                window_start, window_steps, timing = time.perf_counter(), 0, True
+            if (step % cfg.run.log_every == 0 or step == stop_at) and window_steps:
+                metrics = jax.device_get(metrics)
+                elapsed = time.perf_counter() - window_start
+                row = {"step": step, "lr": float(schedule(step - 1))}
+                for key in SCALARS:
+                    if key in metrics:
+                        row[key] = float(metrics[key])
+                for s, acc in enumerate(np.asarray(metrics["slot_accuracy"])[1:], 1):
+                    row[f"slot_acc_{s}"] = float(acc)
+                row["tokens_per_s"] = (window_steps * cfg.run.batch_size * cfg.data.seq_len
+                                       / elapsed)
+                peak = PEAK_FLOPS.get(jax.devices()[0].platform)
+                if peak:
+                    row["mfu"] = window_steps * flops / elapsed / peak / jax.device_count()
+                log.write(row)
+                bar.set_postfix(loss=f"{row['loss']:.3f}", tau=f"{row['accept_len_blocks']:.2f}")
+                last = row
+                window_start, window_steps = time.perf_counter(), 0
+            if step % cfg.run.checkpoint_every == 0 or step == stop_at:
+                checkpoints.save(step, {"params": params, "opt_state": opt_state,
+                                        "rng": jax.random.key_data(rng)},
+                                 {"step": step, "data_position": stream.position,
+                                  "config": _resumable(cfg)})
+        bar.close()
+    finally:  # an exception must not leave our SIGTERM handler installed
+        stopping.release()
     checkpoints.wait()
     summary = {"steps": step, "finished": step >= cfg.run.steps, "out": str(out),
                "truncated_sequences": stream.truncated, "last": last,
-               "data_manifest": manifest.get("settings", {})}
+               "data_manifest": manifest.get("settings", {}),
+               "peak_device_memory_bytes": peak_device_memory()}
     if step >= cfg.run.steps and lead:
         final = nnx.merge(drafter_graph, jax.device_get(params), jax.device_get(rest))
         save_drafter(final, out / "drafter")
@@ -419,6 +429,14 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
     if lead:
         (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
+
+
+def peak_device_memory() -> int | None:
+    """Largest peak allocation over this process's devices (None where the backend keeps no
+    statistics, e.g. CPU)."""
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
+    peaks = [p for p in peaks if p is not None]
+    return max(peaks) if peaks else None
 
 
 class StopRequest:

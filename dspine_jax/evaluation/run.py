@@ -9,6 +9,7 @@ time (compilation excluded); speedup = a method's tokens/s over AR's on that ben
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 from tqdm import tqdm
@@ -51,6 +52,24 @@ def run_method(pipe: Pipeline, prompts: list[dict], *, batch_size: int, room: in
             "accept_length": after_prefill / passes if passes else 1.0}
 
 
+def drafter_labels(methods: list[str], paths: list[str]) -> list[str]:
+    """Column names: the method alone when it is the only drafter of its kind, else
+    `method:name` for every drafter of that kind (name: the run folder of a `.../drafter`
+    export, else the folder or built-in name), so no column is ambiguous."""
+    def name(path: str) -> str:
+        folder = Path(path)
+        return folder.parent.name if folder.name == "drafter" else folder.name
+
+    counts = Counter(methods)
+    labels = []
+    for method, path in zip(methods, paths):
+        label = method if counts[method] == 1 else f"{method}:{name(path)}"
+        while label in labels or label == "ar":
+            label += "'"
+        labels.append(label)
+    return labels
+
+
 def evaluate(target: str, drafters: list[str], benchmarks: list[str], out: Path, *,
              temperature: float = 0.0, max_new_tokens: int = 256, limit: int | None = None,
              batch_size: int = 8, seed: int = 0, dtype: str = "auto",
@@ -59,11 +78,9 @@ def evaluate(target: str, drafters: list[str], benchmarks: list[str], out: Path,
     out.mkdir(parents=True, exist_ok=True)
     loaded = load_target(target, dtype=dtype)
     pipes = {"ar": Pipeline.from_loaded(loaded)}
-    for path in drafters:
-        pipe = Pipeline.from_loaded(loaded, path)
-        folder = Path(path)
-        name = folder.parent.name if folder.name == "drafter" else folder.name  # a run's export
-        label = pipe.method if pipe.method not in pipes else f"{pipe.method}:{name}"
+    drafter_pipes = [Pipeline.from_loaded(loaded, path) for path in drafters]
+    for label, pipe in zip(drafter_labels([p.method for p in drafter_pipes], drafters),
+                           drafter_pipes):
         pipes[label] = pipe
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     room = (loaded.config.max_position_embeddings - max_new_tokens
