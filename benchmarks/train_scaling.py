@@ -203,12 +203,16 @@ def plot(runs: list[dict], results: list[dict], png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (curve, bars) = plt.subplots(1, 2, figsize=(12, 4))
-    for run, r in zip(runs, results):
-        curve.plot([int(x["step"]) for x in run["rows"]], [float(x["loss"]) for x in run["rows"]],
-                   label=f"{r['mesh']} ({r['devices']} dev)", alpha=0.8)
-    curve.set(title="training loss, same global batch", xlabel="step", ylabel="loss")
-    curve.legend()
+    # DSpine's total loss rises while its alignment term warms up; the backbone CE is the
+    # curve that shows learning. A mesh whose loss went NaN says so in the legend.
+    fig, (curve, ce, bars) = plt.subplots(1, 3, figsize=(16, 4))
+    for ax, key, title in ((curve, "loss", "total loss"), (ce, "backbone_ce", "backbone CE")):
+        for run, r in zip(runs, results):
+            values = [float(x.get(key) or "nan") for x in run["rows"]]
+            ax.plot([int(x["step"]) for x in run["rows"]], values, alpha=0.8,
+                    label=f"{r['mesh']} ({r['devices']} dev)" + (", NaN" if r["nan_loss"] else ""))
+        ax.set(title=f"{title}, same global batch", xlabel="step")
+        ax.legend()
     names = [r["mesh"] for r in results]
     bars.bar(names, [r["tokens_per_s"] for r in results], color="tab:blue")
     for i, r in enumerate(results):

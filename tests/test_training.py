@@ -287,3 +287,38 @@ def test_sigterm_or_deadline_checkpoints_and_stops(workspace, tmp_path):
     assert (out / "checkpoints" / "1").is_dir() and not (out / "drafter").exists()
     again = run_cli("train", "--config", str(tmp_path / "d.toml"), "--set", "run.log_every=1")
     assert again.exit_code == 0 and "finished at step 4" in again.output
+
+
+MESH_CHECK = textwrap.dedent("""
+    import os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    import numpy as np
+    from train import mesh_check, sharding
+    if sys.argv[1] == "broken":  # a mesh that feeds its devices the wrong rows
+        place = sharding.global_batch
+        mesh_check.sharding.global_batch = lambda rows, mesh: place(
+            rows[::-1] if mesh.devices.size > 1 else rows, mesh)
+    sys.exit(mesh_check.main(["--config", sys.argv[2], "--set", "mesh.fsdp=2"]))
+""")
+
+
+@pytest.mark.parametrize("mode", ["sound", "broken"])
+def test_mesh_check_passes_a_sound_mesh_and_names_a_broken_one(workspace, tmp_path, mode):
+    (tmp_path / "c.toml").write_text(config_text(workspace, tmp_path / "run", steps=2))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    result = subprocess.run([sys.executable, "-c", MESH_CHECK, mode, str(tmp_path / "c.toml")],
+                            capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    if mode == "sound":
+        assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+        assert "the mesh matches one device" in result.stdout
+    else:
+        assert result.returncode == 1, result.stdout + result.stderr[-2000:]
+        assert "MISMATCH" in result.stdout and "FAIL features" in result.stdout
+
+
+def test_relative_gap_never_passes_a_nan():
+    from train.mesh_check import relative_gap
+
+    assert relative_gap([1.0, 2.0], [1.0, 2.0]) == 0.0
+    assert relative_gap([1.0, 2.0], [1.0, 2.2]) == pytest.approx(0.1)
+    assert relative_gap([1.0, 2.0], [1.0, float("nan")]) == float("inf")

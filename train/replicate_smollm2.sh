@@ -10,7 +10,8 @@
 #   PROMPTS=16000 MAX_NEW=256 REGEN_BATCH=128 STEPS=2000 EVAL_LIMIT=32 EVAL_BATCH=32 EVAL_PROMPT=768 RUNS=runs
 #   KINDS="dspine dflash dflash-cel1"  TEMPS="0 1"  TRAIN_SET="..." (extra --set for train)
 #   Ablation kinds (one DSpine switch off each, ABLATIONS below): dspine-no-injection
-#   dspine-no-teacher dspine-bidirectional dspine-no-alignment dspine-no-chain dspine-ce
+#   dspine-no-teacher dspine-bidirectional dspine-no-alignment dspine-no-chain dspine-ce;
+#   and dspine-ce-no-alignment (both losses the run-3 ablations found costly, off)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,7 +27,7 @@ KINDS=${KINDS:-"dspine dflash dflash-cel1"}
 TEMPS=${TEMPS:-"0 1"}
 TRAIN_SET=${TRAIN_SET:-}
 
-# Ablations: DSpine with one switch of the design doc turned off.
+# Ablations: DSpine with switches of the design doc turned off (space-separated overrides).
 declare -A ABLATIONS=(
   [dspine-no-injection]=drafter.injection=false
   [dspine-no-teacher]=drafter.teacher_replacement=false
@@ -34,6 +35,7 @@ declare -A ABLATIONS=(
   [dspine-no-alignment]=drafter.alignment=false
   [dspine-no-chain]=drafter.refinement_head=false
   [dspine-ce]=loss.backbone=ce
+  [dspine-ce-no-alignment]="loss.backbone=ce drafter.alignment=false"
 )
 
 timed() {  # timed NAME CMD...: run CMD and append its wall time to $RUNS/wall_times.tsv
@@ -63,7 +65,7 @@ stage_train() {
                    extra=(--set loss.backbone=ce+l1) ;;
       *) [[ -n ${ABLATIONS[$kind]:-} ]] || { echo "unknown drafter run $kind" >&2; exit 2; }
          config=train/configs/smollm2_dspine.toml
-         extra=(--set "${ABLATIONS[$kind]}") ;;
+         for kv in ${ABLATIONS[$kind]}; do extra+=(--set "$kv"); done ;;
     esac
     for kv in $TRAIN_SET; do extra+=(--set "$kv"); done
     timed "train-$kind" dspine train --config "$config" "${extra[@]}" \

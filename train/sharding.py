@@ -17,8 +17,10 @@ from dspine_jax.errors import ConfigError
 BATCH_AXES = ("data", "fsdp")
 
 
-def make_mesh(data: int, fsdp: int) -> Mesh:
-    n = jax.device_count()
+def make_mesh(data: int, fsdp: int, devices=None) -> Mesh:
+    """A data x fsdp mesh over `devices` (default: all of them)."""
+    devices = jax.devices() if devices is None else list(devices)
+    n = len(devices)
     if fsdp < 1 or n % fsdp:
         raise ConfigError(f"mesh.fsdp={fsdp} must divide the {n} devices")
     if data == -1:
@@ -26,8 +28,7 @@ def make_mesh(data: int, fsdp: int) -> Mesh:
     if data * fsdp != n:
         raise ConfigError(f"mesh.data x mesh.fsdp = {data} x {fsdp} must equal the "
                           f"{n} devices")
-    devices = np.asarray(jax.devices()).reshape(data, fsdp)
-    return Mesh(devices, BATCH_AXES)
+    return Mesh(np.asarray(devices).reshape(data, fsdp), BATCH_AXES)
 
 
 def param_spec(shape: tuple[int, ...], fsdp: int) -> P:

@@ -148,10 +148,8 @@ def flops_per_step(target_config, drafter: BlockDrafter, batch: int, seq_len: in
 def make_step(cfg: TrainConfig, target_graph, drafter_graph, tx, loss_config,
               drafter_config: DrafterConfig, compute_dtype):
     """The jitted training step. Every array it reads is an argument: a closed-over array
-    becomes a constant of the compiled program, which is wasteful (DSpine's transfer basis
-    is [H, r]) and, on two H200s under JAX 0.11.2, came out as garbage (NaN losses with
-    data parallelism, zero transfer terms with fsdp) while one GPU and fake CPU devices were
-    fine."""
+    would be baked into the compiled program as a constant (DSpine's transfer basis is
+    [H, r]) and recompiled with every new drafter."""
     k = drafter_config.block_size
     n = cfg.data.blocks_per_seq
     spine = drafter_config.dspine
