@@ -359,7 +359,8 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
     flops = flops_per_step(loaded.config, drafter, cfg.run.batch_size, cfg.data.seq_len,
                            cfg.data.blocks_per_seq)
     params, opt_state = state["params"], state["opt_state"]
-    rng = jax.random.wrap_key_data(state["rng"])
+    # Committed to the mesh like the key the step returns, so step 2 reuses step 1's program.
+    rng = sharding.shard_tree(jax.random.wrap_key_data(state["rng"]), mesh)
     stop_at = min(cfg.run.steps, step + cfg.run.stop_after) if cfg.run.stop_after else cfg.run.steps
     bar = tqdm(total=cfg.run.steps, initial=step, disable=not (progress and lead), unit="step",
                desc=f"train {dc.kind}")
