@@ -4,12 +4,13 @@
       --mesh 1x1 2x1 1x2 --steps 300 --set data.path=runs/data/sharegpt --out runs/scaling
 
 Every mesh DATAxFSDP runs `dspine train` in its own process on DATA*FSDP devices (the first
-ones of CUDA_VISIBLE_DEVICES on a GPU host; with --cpu, that many fake host devices), with
-the same config, data order and global batch. The first mesh is the reference. Per mesh:
-steady tokens/s (the first logged window, which compiles, is left out), scaling efficiency
-= tokens/s / (devices / reference devices x reference tokens/s), MFU, peak device memory, and
-the loss gap to the reference at every logged step. Writes runs.jsonl (one line per mesh),
-summary.md and scaling.png into --out.
+ones of CUDA_VISIBLE_DEVICES on a GPU host; with --cpu, that many fake host devices), or with
+--processes in one process per device joined by jax.distributed (the layout of a TPU pod,
+or of one process per GPU), with the same config, data order and global batch. The first
+mesh is the reference. Per mesh: steady tokens/s (the first logged window, which compiles,
+is left out), scaling efficiency = tokens/s / (devices / reference devices x reference
+tokens/s), MFU, peak device memory, and the loss gap to the reference at every logged step.
+Writes runs.jsonl (one line per mesh), summary.md and scaling.png into --out.
 
 Two checks localise a mesh that trains differently from one device:
   --collectives MIB   first, an all-reduce and an all-gather of MIB MiB over all devices,
@@ -26,6 +27,7 @@ import argparse
 import csv
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -48,7 +50,8 @@ def parse_mesh(text: str) -> tuple[int, int]:
     return data, fsdp
 
 
-def device_env(devices: int, cpu: bool) -> dict:
+def device_env(devices: int, cpu: bool, first: int = 0) -> dict:
+    """Environment for a process that sees `devices` devices, starting at `first`."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
     if cpu:
@@ -57,11 +60,18 @@ def device_env(devices: int, cpu: bool) -> dict:
                             f" --xla_force_host_platform_device_count={devices}").strip()
         return env
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = visible.split(",") if visible else [str(i) for i in range(devices)]
-    if len(ids) < devices:
-        raise SystemExit(f"a mesh needs {devices} GPUs; CUDA_VISIBLE_DEVICES has {len(ids)}")
-    env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[:devices])
+    ids = visible.split(",") if visible else [str(i) for i in range(first + devices)]
+    if len(ids) < first + devices:
+        raise SystemExit(f"a mesh needs {first + devices} GPUs; CUDA_VISIBLE_DEVICES has "
+                         f"{len(ids)}")
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[first:first + devices])
     return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 COLLECTIVES = """
@@ -108,13 +118,27 @@ def run_mesh(mesh: tuple[int, int], args, out: Path) -> dict:
                "--set", f"run.checkpoint_every={args.steps}"]
         for kv in args.set:
             cmd += ["--set", kv]
-        print(f"mesh {data}x{fsdp}: training {args.steps} steps ...", flush=True)
+        n = data * fsdp
+        processes = n if args.processes and n > 1 else 1
+        print(f"mesh {data}x{fsdp}: training {args.steps} steps in {processes} "
+              f"process{'es' if processes > 1 else ''} ...", flush=True)
         start = time.perf_counter()
-        with open(out.parent / f"{out.name}.log", "a") as log:
-            done = subprocess.run(cmd, env=device_env(data * fsdp, args.cpu), cwd=ROOT,
-                                  stdout=log, stderr=subprocess.STDOUT)
-        if done.returncode:
-            raise SystemExit(f"mesh {data}x{fsdp} failed (exit {done.returncode}); "
+        if processes == 1:
+            launches = [(cmd, device_env(n, args.cpu))]
+        else:  # one process per device, as on a pod: jax.distributed over localhost
+            port = free_port()
+            launches = [(cmd + ["--distributed", "--coordinator", f"127.0.0.1:{port}",
+                                "--num-processes", str(n), "--process-id", str(i)],
+                         device_env(1, args.cpu, first=i)) for i in range(n)]
+        logs = [open(out.parent / (f"{out.name}.log" if i == 0 else f"{out.name}.p{i}.log"),
+                     "a") for i in range(len(launches))]
+        running = [subprocess.Popen(c, env=e, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+                   for (c, e), log in zip(launches, logs)]
+        codes = [p.wait() for p in running]
+        for log in logs:
+            log.close()
+        if any(codes):
+            raise SystemExit(f"mesh {data}x{fsdp} failed (exit codes {codes}); "
                              f"see {out.parent / (out.name + '.log')}")
         wall_file.write_text(f"{time.perf_counter() - start:.1f}\n")
     summary = json.loads(summary_file.read_text())
@@ -235,6 +259,9 @@ def main():
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--set", action="append", default=[], help="Extra config override.")
     p.add_argument("--cpu", action="store_true", help="Fake host devices instead of GPUs.")
+    p.add_argument("--processes", action="store_true",
+                   help="One process per device (jax.distributed over localhost, as on a pod "
+                        "or one process per GPU) instead of one process for all.")
     p.add_argument("--collectives", type=int, default=0, metavar="MIB",
                    help="First check an all-reduce and all-gather of MIB MiB (0: skip).")
     p.add_argument("--out", type=Path, required=True, help="Folder for runs and results; "
@@ -255,6 +282,7 @@ def main():
         for r in results:
             f.write(json.dumps(dict(r, config=str(args.config), steps=args.steps,
                                     overrides=args.set, cpu=args.cpu,
+                                    processes=args.processes,
                                     date=str(date.today()))) + "\n")
     table = markdown(results)
     if len(runs) > 1:

@@ -11,7 +11,7 @@ import typer
 
 import jax.numpy as jnp
 
-from dspine_jax.errors import DSpineError, InputError
+from dspine_jax.errors import ConfigError, DSpineError, InputError
 from dspine_jax.registry import DEFAULT_TARGET
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -263,15 +263,25 @@ def train(
     config: Optional[Path] = typer.Option(None, "--config", help="TOML config file."),
     overrides: list[str] = typer.Option([], "--set", help="section.key=value (repeatable)."),
     distributed: bool = typer.Option(False, "--distributed",
-                                     help="Multi-process (TPU pod / multi-host): call "
-                                          "jax.distributed.initialize() first."),
+                                     help="Multi-process (TPU pod, multi-host, or one process "
+                                          "per GPU): call jax.distributed.initialize() first."),
+    coordinator: Optional[str] = typer.Option(
+        None, "--coordinator", help="With --distributed: process 0's HOST:PORT (default: "
+        "detected from the cluster environment, e.g. TPU pod, SLURM, Open MPI)."),
+    num_processes: Optional[int] = typer.Option(None, "--num-processes", min=1),
+    process_id: Optional[int] = typer.Option(None, "--process-id", min=0),
 ):
     """Train a DFlash or DSpine drafter (resumes from the run folder's last checkpoint)."""
     try:
         if distributed:
             import jax
 
-            jax.distributed.initialize()
+            # CPU processes need a collectives backend of their own (GPUs use NCCL).
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+            jax.distributed.initialize(coordinator, num_processes, process_id)
+        elif coordinator or num_processes or process_id is not None:
+            raise ConfigError("--coordinator, --num-processes and --process-id need "
+                              "--distributed")
         from train.config import load_config
         from train.trainer import train as run_training
 

@@ -42,11 +42,39 @@ def param_spec(shape: tuple[int, ...], fsdp: int) -> P:
     return P()
 
 
+def place(x, sharding: NamedSharding) -> jax.Array:
+    """One array, which every process holds whole, onto a sharding. Across processes
+    (multi-host, one process per GPU) each supplies only its own devices' shards."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.wrap_key_data(place(jax.random.key_data(x), sharding),
+                                        impl=jax.random.key_impl(x))
+    host = np.asarray(jax.device_get(x))
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def to_host(tree):
+    """Whole numpy copies of every array leaf on every process, gathering shards that
+    live on other processes' devices."""
+    from jax.experimental import multihost_utils
+
+    def fetch(x):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable:
+            return jax.device_get(x)
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return jax.random.wrap_key_data(fetch(jax.random.key_data(x)),
+                                            impl=jax.random.key_impl(x))
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    return jax.tree.map(fetch, tree)
+
+
 def shard_tree(tree, mesh: Mesh):
     """Place every array leaf by the fsdp rule."""
     fsdp = mesh.shape["fsdp"]
     return jax.tree.map(
-        lambda x: jax.device_put(x, NamedSharding(mesh, param_spec(x.shape, fsdp)))
+        lambda x: place(x, NamedSharding(mesh, param_spec(x.shape, fsdp)))
         if hasattr(x, "shape") else x, tree)
 
 

@@ -416,12 +416,15 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
     finally:  # an exception must not leave our SIGTERM handler installed
         stopping.release()
     checkpoints.wait()
-    summary = {"steps": step, "finished": step >= cfg.run.steps, "out": str(out),
+    finished = step >= cfg.run.steps
+    summary = {"steps": step, "finished": finished, "out": str(out),
                "truncated_sequences": stream.truncated, "last": last,
                "data_manifest": manifest.get("settings", {}),
                "peak_device_memory_bytes": peak_device_memory()}
-    if step >= cfg.run.steps and lead:
-        final = nnx.merge(drafter_graph, jax.device_get(params), jax.device_get(rest))
+    # Every process takes part in gathering fsdp shards from other hosts; process 0 writes.
+    final = (nnx.merge(drafter_graph, sharding.to_host(params), sharding.to_host(rest))
+             if finished else None)
+    if finished and lead:
         save_drafter(final, out / "drafter")
         summary["drafter"] = str(out / "drafter")
         log.plot(out / "metrics.png")
