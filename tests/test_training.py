@@ -384,3 +384,27 @@ def test_two_processes_train_like_one_device(workspace, tmp_path):
 def test_process_options_need_distributed(tmp_path):
     result = run_cli("train", "--config", str(tmp_path / "none.toml"), "--num-processes", "2")
     assert result.exit_code == 2 and "need --distributed" in result.output
+
+
+def gpu_count() -> int:
+    if not shutil.which("nvidia-smi"):
+        return 0
+    listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+    return listing.stdout.count("GPU ") if listing.returncode == 0 else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mesh", [["mesh.data=2"], ["mesh.data=1", "mesh.fsdp=2"]])
+def test_two_gpus_compute_what_one_gpu_computes(workspace, tmp_path, mesh):
+    """The single-process two-GPU mesh, value by value against one GPU (on two H200s under
+    JAX 0.11.2 it trained to NaN: docs/benchmarks.md, multi-GPU training)."""
+    if gpu_count() < 2:
+        pytest.skip("needs two GPUs")
+    (tmp_path / "c.toml").write_text(config_text(workspace, tmp_path / "run", steps=2))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("JAX_PLATFORMS", None)
+    sets = [arg for kv in mesh for arg in ("--set", kv)]
+    result = subprocess.run([sys.executable, "-m", "train.mesh_check", "--config",
+                             str(tmp_path / "c.toml"), *sets], capture_output=True, text=True,
+                            env=env, cwd=ROOT, timeout=900)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
