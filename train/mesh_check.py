@@ -26,7 +26,7 @@ from dspine_jax.checkpoints import load_target, resolve_dtype
 from dspine_jax.losses import LossConfig
 from train import sharding
 from train.config import load_config
-from train.trainer import BatchStream, build_drafter, make_optimizer, make_step
+from train.trainer import BatchStream, build_drafter, make_optimizer, make_step, split_drafter
 
 
 def relative_gap(reference, other) -> float:
@@ -94,8 +94,7 @@ def main(argv=None) -> int:
     loaded = load_target(cfg.target.name, dtype=cfg.target.dtype)
     drafter = build_drafter(cfg, loaded)
     target_graph, target_params = nnx.split(loaded.model)
-    drafter_graph, params, rest = nnx.split(drafter, nnx.Param, ...)
-    params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+    drafter_graph, params, rest = split_drafter(drafter)
     tx, _ = make_optimizer(cfg)
     loss_config = LossConfig.for_drafter(drafter.config, backbone=cfg.loss.backbone or None)
     parts = (target_graph, target_params, drafter_graph, params, rest, tx, loss_config,

@@ -114,6 +114,13 @@ def build_drafter(cfg: TrainConfig, target) -> BlockDrafter:
                                seed=cfg.run.seed)
 
 
+def split_drafter(drafter: BlockDrafter):
+    """(graph, trainable params as float32 master weights, the rest: DSpine's fixed
+    transfer basis, kept as it is)."""
+    graph, params, rest = nnx.split(drafter, nnx.Param, ...)
+    return graph, jax.tree.map(lambda x: x.astype(jnp.float32), params), rest
+
+
 def make_optimizer(cfg: TrainConfig):
     """AdamW with linear warm-up then cosine decay to 0, after global-norm clipping."""
     o = cfg.optim
@@ -329,8 +336,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
                          cfg.run.seed)
 
     target_graph, target_params = nnx.split(loaded.model)
-    drafter_graph, params, rest = nnx.split(drafter, nnx.Param, ...)
-    params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+    drafter_graph, params, rest = split_drafter(drafter)
     tx, schedule = make_optimizer(cfg)
     opt_state = tx.init(params)
     target_params = sharding.shard_tree(target_params, mesh)
