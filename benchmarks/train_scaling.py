@@ -144,7 +144,7 @@ def run_mesh(mesh: tuple[int, int], args, out: Path) -> dict:
     summary = json.loads(summary_file.read_text())
     with open(out / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
-    return {"data": data, "fsdp": fsdp, "devices": data * fsdp, "rows": rows,
+    return {"mesh": f"{data}x{fsdp}", "devices": data * fsdp, "rows": rows,
             "wall_s": float(wall_file.read_text()) if wall_file.is_file() else None,
             "peak_device_memory_bytes": summary.get("peak_device_memory_bytes")}
 
@@ -162,7 +162,7 @@ def summarise(runs: list[dict]) -> list[dict]:
         gaps = [abs(float(r["loss"]) - ref_loss[int(r["step"])]) / ref_loss[int(r["step"])]
                 for r in run["rows"] if int(r["step"]) in ref_loss]
         results.append({
-            "mesh": f"{run['data']}x{run['fsdp']}", "devices": run["devices"],
+            "mesh": run["mesh"], "devices": run["devices"],
             "tokens_per_s": statistics.median(steady),
             "mfu": statistics.median(mfu) if mfu else None,
             "final_loss": float(run["rows"][-1]["loss"]),
@@ -190,14 +190,14 @@ def first_step_parity(runs: list[dict]) -> list[dict]:
         row = {"metric": key, "reference": float(value)}
         for run in runs[1:]:
             other = float(run["rows"][0].get(key) or "nan")
-            row[f"{run['data']}x{run['fsdp']}"] = abs(other - float(value)) / max(
+            row[run["mesh"]] = abs(other - float(value)) / max(
                 abs(float(value)), 1e-6)  # nan when the mesh produced nan
         table.append(row)
     return table
 
 
 def parity_markdown(table: list[dict], runs: list[dict]) -> str:
-    meshes = [f"{r['data']}x{r['fsdp']}" for r in runs[1:]]
+    meshes = [r["mesh"] for r in runs[1:]]
     lines = [f"first logged step ({runs[0]['rows'][0]['step']}): relative gap to the reference",
              "", "| metric | reference | " + " | ".join(meshes) + " |",
              "|---|---|" + "---|" * len(meshes)]

@@ -13,7 +13,7 @@ def run(data, fsdp, losses, tokens_per_s, ce=None):
     rows = [{"step": str(10 * (i + 1)), "loss": str(loss), "tokens_per_s": str(tps),
              "mfu": "", "backbone_ce": str(ce if ce is not None else loss * 2)}
             for i, (loss, tps) in enumerate(zip(losses, tokens_per_s))]
-    return {"data": data, "fsdp": fsdp, "devices": data * fsdp, "rows": rows,
+    return {"mesh": f"{data}x{fsdp}", "devices": data * fsdp, "rows": rows,
             "wall_s": 1.0, "peak_device_memory_bytes": 2 ** 30}
 
 

@@ -344,14 +344,6 @@ def test_the_training_step_compiles_once(workspace, tmp_path, caplog):
     assert len(compiles) == 1, [r.getMessage()[:300] for r in compiles]
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_train_like_one_device(workspace, tmp_path):
     """Multi-host training as on a TPU pod (or one process per GPU): two processes with one
     CPU device each, parameters and optimizer state split across them (fsdp), the export
@@ -363,6 +355,8 @@ def test_two_processes_train_like_one_device(workspace, tmp_path):
     assert run_cli("train", "--config", str(tmp_path / "one.toml")).exit_code == 0
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
+    from benchmarks.train_scaling import free_port
+
     port = free_port()
     procs = [subprocess.Popen(
         [sys.executable, "-m", "dspine_jax", "train", "--distributed",
