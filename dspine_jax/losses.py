@@ -79,13 +79,20 @@ def alignment_scale(step, beta: float, warmup_steps: int):
 
 def drafter_loss(config: LossConfig, drafter: BlockDrafter, out: DraftOutput, labels,
                  supervised, *, target_logits=None, teacher_tokens=None,
-                 output_embedding=None, step=0):
-    """Scalar loss and a dict of metrics. labels/supervised [B, n, K]; target_logits
-    [B, n, K, V] (needed by L1 terms); teacher_tokens [B, n, K] true predecessors and
-    output_embedding [V, D] (needed by refinement)."""
+                 output_embedding=None, step=0, all_sum=None):
+    """(loss, metrics). labels/supervised [B, n, K]; target_logits [B, n, K, V] (needed by
+    L1 terms); teacher_tokens [B, n, K] true predecessors and output_embedding [V, D]
+    (needed by refinement).
+
+    all_sum: for a batch split over devices (inside shard_map), the sum over devices
+    (psum). Every normaliser and metric is then the whole batch's, and the returned loss
+    is this device's share: the shares sum to the whole batch's loss, so their gradients,
+    summed, are its gradient. Default: one device, the share is the loss."""
+    total = all_sum or (lambda x: x)
     k = labels.shape[-1]
     w = slot_weights(k, config.gamma) * supervised                      # [B, n, K]
-    total_w = jnp.maximum(jnp.sum(w), 1e-9)
+    total_w = jnp.maximum(total(jnp.sum(w)), 1e-9)
+    weighted = lambda x: total(jnp.sum(x * w)) / total_w  # noqa: E731  (a metric)
     logp = jax.nn.log_softmax(out.logits, axis=-1)
     ce = -jnp.take_along_axis(logp, labels[..., None], -1)[..., 0]     # [B, n, K]
     needs_target = config.backbone == "ce+l1" or config.refinement
@@ -93,11 +100,11 @@ def drafter_loss(config: LossConfig, drafter: BlockDrafter, out: DraftOutput, la
         raise ValueError("this loss needs the target's logits (p_target)")
     p_target = jax.nn.softmax(target_logits, -1) if needs_target else None
 
-    metrics = {"backbone_ce": jnp.sum(ce * w) / total_w}
+    metrics = {"backbone_ce": weighted(ce)}
     if config.backbone == "ce+l1":
         l1 = jnp.sum(jnp.abs(jnp.exp(logp) - p_target), -1)
         backbone = config.ce_weight * ce + (1 - config.ce_weight) * l1
-        metrics["backbone_l1"] = jnp.sum(l1 * w) / total_w
+        metrics["backbone_l1"] = weighted(l1)
     else:
         backbone = ce
     per_slot = backbone
@@ -105,7 +112,7 @@ def drafter_loss(config: LossConfig, drafter: BlockDrafter, out: DraftOutput, la
     num_candidates = min(config.top_k, out.logits.shape[-1])
     candidates = top_k_indices(jax.lax.stop_gradient(out.logits), num_candidates)  # [B,n,K,C]
     label_in = jnp.any(candidates == labels[..., None], -1)
-    metrics["coverage"] = jnp.sum(label_in * supervised) / jnp.maximum(jnp.sum(supervised), 1)
+    metrics["coverage"] = _mean_over(label_in, supervised, total)
 
     if config.refinement:
         rows = jnp.take(output_embedding, candidates, axis=0)          # [B, n, K, C, D]
@@ -120,9 +127,10 @@ def drafter_loss(config: LossConfig, drafter: BlockDrafter, out: DraftOutput, la
         l1_ref = jnp.where(mass >= config.candidate_mass_threshold, l1_ref, 0.0)
         refinement = config.ce_weight * ce_ref + (1 - config.ce_weight) * l1_ref
         per_slot = per_slot + refinement
-        metrics["refinement"] = jnp.sum(refinement * w) / total_w
+        metrics["refinement"] = weighted(refinement)
         refined_top = jnp.take_along_axis(candidates, jnp.argmax(scores, -1)[..., None], -1)
-        metrics["refined_accuracy"] = _mean_over(refined_top[..., 0] == labels, supervised)
+        metrics["refined_accuracy"] = _mean_over(refined_top[..., 0] == labels, supervised,
+                                                  total)
 
     if config.alignment_weight > 0:
         rank = drafter.config.dspine.transfer_rank
@@ -133,29 +141,31 @@ def drafter_loss(config: LossConfig, drafter: BlockDrafter, out: DraftOutput, la
         mean_ce = jax.lax.stop_gradient(metrics["backbone_ce"])
         scale = alignment_scale(step, config.alignment_weight, config.alignment_warmup_steps)
         per_slot = per_slot + scale * mean_ce * misalign
-        metrics["alignment"] = jnp.sum(misalign * w) / total_w
+        metrics["alignment"] = weighted(misalign)
 
-    loss = jnp.sum(per_slot * w) / total_w
-    metrics.update(slot_metrics(out.logits, labels, supervised))
-    metrics["loss"] = loss
-    if out.gates is not None:
-        metrics["gate_mean"] = jnp.mean(out.gates)
-    return loss, metrics
-
-
-def _mean_over(values, mask):
-    return jnp.sum(values * mask) / jnp.maximum(jnp.sum(mask), 1)
+    share = jnp.sum(per_slot * w) / total_w
+    metrics.update(slot_metrics(out.logits, labels, supervised, total))
+    metrics["loss"] = total(share)
+    if out.gates is not None:  # equal-sized shards: the mean of the devices' means
+        metrics["gate_mean"] = total(jnp.mean(out.gates)) / total(1.0)
+    return share, metrics
 
 
-def slot_metrics(logits, labels, supervised) -> dict:
+def _mean_over(values, mask, total=lambda x: x):
+    return total(jnp.sum(values * mask)) / jnp.maximum(total(jnp.sum(mask)), 1)
+
+
+def slot_metrics(logits, labels, supervised, total=lambda x: x) -> dict:
     """Per-slot accuracy [K], the acceptance length those accuracies imply, and the mean
-    accepted prefix measured on the batch's blocks (greedy drafts, T=0)."""
+    accepted prefix measured on the batch's blocks (greedy drafts, T=0). `total`: the sum
+    over devices (see drafter_loss)."""
     correct = (jnp.argmax(logits, -1) == labels) & supervised
-    per_slot = jnp.sum(correct, axis=(0, 1)) / jnp.maximum(jnp.sum(supervised, axis=(0, 1)), 1)
+    per_slot = (total(jnp.sum(correct, axis=(0, 1)))
+                / jnp.maximum(total(jnp.sum(supervised, axis=(0, 1))), 1))
     per_slot = per_slot.at[0].set(1.0)  # the anchor is always right
     estimate = jnp.sum(jnp.cumprod(per_slot[1:])) + 1.0
     full = jnp.all(supervised[..., 1:], -1)                           # blocks with all slots
     prefix = jnp.sum(jnp.cumprod(correct[..., 1:].astype(jnp.int32), -1), -1) + 1
-    measured = jnp.sum(prefix * full) / jnp.maximum(jnp.sum(full), 1)
+    measured = _mean_over(prefix, full, total)
     return {"slot_accuracy": per_slot, "accept_len_estimate": estimate,
             "accept_len_blocks": measured}

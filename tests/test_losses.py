@@ -263,3 +263,50 @@ def test_either_loss_with_either_drafter(target, kind, backbone):
     loss, m = drafter_loss(config, drafter, out, labels, sup, target_logits=tlogits,
                            teacher_tokens=teacher, output_embedding=target.output_embedding())
     assert np.isfinite(float(loss)) and ("backbone_l1" in m) == (backbone == "ce+l1")
+
+
+def test_per_device_loss_shares_add_up_to_the_whole_batch(target):
+    """Data parallelism as the trainer runs it (each device its rows, all_sum = psum):
+    the shares sum to the whole batch's loss, their gradients to its gradient, and every
+    metric is the whole batch's. Rows get unequal supervised counts, so a per-device mean
+    (or a mean of means) would not match."""
+    drafter = make(target, "dspine")
+    e_in, e_out = target.input_embedding(), target.output_embedding()
+    feats = features(target, drafter, TOKENS)
+    loss_mask = jnp.arange(TOKENS.shape[1])[None, :] >= jnp.asarray([[3], [14]])
+    labels, sup = block_labels(TOKENS, loss_mask, ANCHORS, jnp.ones(ANCHORS.shape, bool), K)
+    tlogits = target_slot_logits(target(TOKENS).final_hidden, ANCHORS, K, e_out)
+    positions = ANCHORS[..., None] + jnp.arange(K)
+    teacher = jnp.take_along_axis(TOKENS, jnp.clip(positions - 1, 0, 23).reshape(2, -1),
+                                  1).reshape(positions.shape)
+    config = dataclasses.replace(LossConfig.for_drafter(drafter.config), top_k=4,
+                                 alignment_warmup_steps=1)
+    graph, params, rest = nnx.split(drafter, nnx.Param, ...)
+    batch = (TOKENS, feats, ANCHORS, labels, sup, tlogits, teacher)
+
+    def loss(params, tokens, feats, anchors, labels, sup, tlogits, teacher, all_sum=None):
+        model = nnx.merge(graph, params, rest)
+        out = model.forward_train(tokens, feats, anchors, e_in, e_out)
+        return drafter_loss(config, model, out, labels, sup, target_logits=tlogits,
+                            teacher_tokens=teacher, output_embedding=e_out, step=3,
+                            all_sum=all_sum)
+
+    (whole, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params, *batch)
+
+    def device(rows):  # one "device": one row, [1, ...]
+        psum = lambda x: jax.lax.psum(x, "devices")  # noqa: E731
+        return jax.value_and_grad(loss, has_aux=True)(params, *rows, all_sum=psum)
+
+    (shares, dev_metrics), dev_grads = jax.vmap(device, axis_name="devices")(
+        tuple(x[:, None] for x in batch))
+    assert float(sup[0].sum()) != float(sup[1].sum())
+    np.testing.assert_allclose(shares.sum(), whole, rtol=1e-5)
+    assert not np.allclose(shares[0], whole / 2, rtol=1e-2)  # the shares are weighted
+    for name, value in metrics.items():
+        for d in range(2):
+            np.testing.assert_allclose(dev_metrics[name][d], value, rtol=1e-5, atol=1e-6,
+                                       err_msg=name)
+    for (path, g), dg in zip(jax.tree_util.tree_flatten_with_path(grads)[0],
+                             jax.tree.leaves(dev_grads)):
+        np.testing.assert_allclose(np.asarray(dg).sum(0), g, rtol=1e-4, atol=1e-6,
+                                   err_msg=jax.tree_util.keystr(path))

@@ -68,7 +68,7 @@ def run_on(mesh, cfg, parts, batch_rows, donate: bool = False):
     real = real_positions(batch_rows[1])
     features, final_hidden = features[real], final_hidden[real]
     step = jax.jit(make_step(cfg, target_graph, drafter_graph, tx, loss_config, dc,
-                             resolve_dtype(cfg.run.compute_dtype)),
+                             resolve_dtype(cfg.run.compute_dtype), mesh),
                    donate_argnums=(2, 3) if donate else ())
     rng = jax.random.key(cfg.run.seed)
     new_params, _, _, _, metrics = step(target_params, rest, params, opt_state,
@@ -86,6 +86,8 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], help="section.key=value")
     p.add_argument("--tolerance", type=float, default=0.05,
                    help="Largest relative gap accepted (bf16 compute: a few 1e-3 is usual).")
+    p.add_argument("--donation", choices=("both", "off", "on"), default="both",
+                   help="Run the mesh step without buffer donation, with it, or both.")
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.set)
     mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp)
@@ -106,7 +108,8 @@ def main(argv=None) -> int:
           f"devices vs one device; batch {tokens.shape}")
     reference = run_on(one, cfg, parts, (tokens, mask))
     failed = []
-    for donate in (False, True):  # donation last: it may consume the placed buffers
+    runs = {"both": (False, True), "off": (False,), "on": (True,)}[args.donation]
+    for donate in runs:  # donation last: it may consume the placed buffers
         label = "donated" if donate else "no donation"
         print(f"-- mesh, {'donated parameters and optimizer state' if donate else label}")
         candidate = run_on(mesh, cfg, parts, (tokens, mask), donate=donate)

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec as P
 from flax import nnx
 
 from dspine_jax.checkpoints import load_target, resolve_dtype
@@ -153,15 +154,56 @@ def flops_per_step(target_config, drafter: BlockDrafter, batch: int, seq_len: in
 
 # ----- the step -------------------------------------------------------------------------
 def make_step(cfg: TrainConfig, target_graph, drafter_graph, tx, loss_config,
-              drafter_config: DrafterConfig, compute_dtype):
+              drafter_config: DrafterConfig, compute_dtype, mesh):
     """The jitted training step. Every array it reads is an argument: a closed-over array
     would be baked into the compiled program as a constant (DSpine's transfer basis is
-    [H, r]) and recompiled with every new drafter."""
+    [H, r]) and recompiled with every new drafter.
+
+    Data parallelism is explicit: the target's forward pass and the random draws run on
+    the whole mesh, then each device computes the drafter's loss and gradient for its own
+    rows with whole (replicated) drafter parameters (shard_map: the one-device program at
+    the per-device batch) and the gradients are summed across devices. XLA's automatic
+    partitioning of the drafter's loss and its backward pass computed NaN (data
+    parallel) and wrong DSpine terms (fsdp) on two H200s, while matching on CPU devices
+    (docs/benchmarks.md, "Multi-GPU training"). Under fsdp the parameters and optimizer
+    state stay split between steps and are gathered for the loss."""
     k = drafter_config.block_size
     n = cfg.data.blocks_per_seq
     spine = drafter_config.dspine
     ids = drafter_config.target_layer_ids
     needs_target = loss_config.backbone == "ce+l1" or loss_config.refinement
+    replacing = spine is not None and spine.teacher_replacement
+
+    def all_sum(x):
+        return jax.lax.psum(x, sharding.BATCH_AXES)
+
+    def local_grads(params, rest, e_in, e_out, step, tokens, loss_mask, features,
+                    final_hidden, anchors, valid, replace):
+        """One device's rows [b, ...]: (the whole batch's gradient, its metrics)."""
+        labels, supervised = block_labels(tokens, loss_mask, anchors, valid, k)
+        target_logits = (target_slot_logits(final_hidden.astype(e_out.dtype), anchors, k, e_out)
+                         if needs_target else None)
+        teacher = predecessor_tokens(tokens, anchors, k)
+
+        def loss_fn(params):
+            cast = lambda x: x.astype(compute_dtype)  # noqa: E731
+            # `rest` (DSpine's fixed transfer basis) stays float32.
+            drafter = nnx.merge(drafter_graph, jax.tree.map(cast, params), rest)
+            draft = drafter.forward_train(tokens, features, anchors, e_in, e_out,
+                                          replace=replace if replacing else None)
+            return drafter_loss(loss_config, drafter, draft, labels, supervised,
+                                target_logits=target_logits, teacher_tokens=teacher,
+                                output_embedding=e_out, step=step, all_sum=all_sum)
+
+        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        metrics["supervised_slots"] = all_sum(jnp.sum(supervised))
+        return all_sum(grads), metrics
+
+    rows = P(sharding.BATCH_AXES)
+    whole = P()
+    sharded_grads = jax.shard_map(
+        local_grads, mesh=mesh, in_specs=(whole,) * 5 + (rows,) * 7, out_specs=(whole, whole),
+        check_vma=False)  # the sums are explicit (all_sum)
 
     def step(target_params, rest, params, opt_state, step, rng, tokens, loss_mask,
              features=None, final_hidden=None):
@@ -174,34 +216,20 @@ def make_step(cfg: TrainConfig, target_graph, drafter_graph, tx, loss_config,
             final_hidden = out.final_hidden
         features = jax.lax.stop_gradient(features)
         final_hidden = jax.lax.stop_gradient(final_hidden)
-        e_in, e_out = target.input_embedding(), target.output_embedding()
         anchors, valid = sample_anchors(anchor_key, loss_mask, n)
-        labels, supervised = block_labels(tokens, loss_mask, anchors, valid, k)
-        target_logits = (target_slot_logits(final_hidden.astype(e_out.dtype), anchors, k, e_out)
-                         if needs_target else None)
-        teacher = predecessor_tokens(tokens, anchors, k)
-        replace = None
-        if spine is not None and spine.teacher_replacement:
+        replace = jnp.zeros(anchors.shape, bool)
+        if replacing:
             p = teacher_replacement_probability(step / cfg.run.steps, spine.replacement_hold_ratio,
                                                 spine.replacement_end_ratio,
                                                 spine.replacement_probability)
             replace = jax.random.bernoulli(replace_key, p, anchors.shape)
 
-        def loss_fn(params):
-            cast = lambda x: x.astype(compute_dtype)  # noqa: E731
-            # `rest` (DSpine's fixed transfer basis) stays float32.
-            drafter = nnx.merge(drafter_graph, jax.tree.map(cast, params), rest)
-            draft = drafter.forward_train(tokens, features, anchors, e_in, e_out,
-                                          replace=replace)
-            return drafter_loss(loss_config, drafter, draft, labels, supervised,
-                                target_logits=target_logits, teacher_tokens=teacher,
-                                output_embedding=e_out, step=step)
-
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        grads, metrics = sharded_grads(params, rest, target.input_embedding(),
+                                       target.output_embedding(), step, tokens, loss_mask,
+                                       features, final_hidden, anchors, valid, replace)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         metrics["grad_norm"] = optax.tree.norm(grads)
-        metrics["supervised_slots"] = jnp.sum(supervised)
         return params, opt_state, step + 1, rng, metrics
 
     return step
@@ -360,7 +388,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
 
     step_fn = jax.jit(make_step(cfg, target_graph, drafter_graph, tx, loss_config, dc,
-                                compute_dtype), donate_argnums=(2, 3))
+                                compute_dtype, mesh), donate_argnums=(2, 3))
     log = MetricsLog(out / "metrics.csv", dc.block_size, lead)
     flops = flops_per_step(loaded.config, drafter, cfg.run.batch_size, cfg.data.seq_len,
                            cfg.data.blocks_per_seq)
