@@ -3,9 +3,11 @@
 Each step runs the frozen target on the batch (online features: the hidden states after
 the drafter's target layers, and the target's final hidden for p_target), samples fresh
 anchors per sequence, and updates the drafter with AdamW. Master weights are float32; the
-drafter computes in `run.compute_dtype`. Parameters and optimizer state are sharded over
-the mesh's fsdp axis, the batch over data x fsdp; the same code runs on one CPU, fake CPU
-devices, one GPU or a multi-host TPU slice (only process 0 logs and writes metrics).
+drafter computes in `run.compute_dtype`. Parameters and optimizer state are stored
+sharded over the mesh's fsdp axis, the batch over data x fsdp; each device computes the
+drafter's loss and gradient on its rows and the gradients are summed (make_step says
+why explicitly). The same code runs on one CPU, fake CPU devices, one or several GPUs
+or a multi-host TPU slice (only process 0 logs and writes metrics).
 
 Orbax keeps the last N checkpoints (parameters, optimizer state, RNG, data position);
 a rerun of the same command resumes exactly where the last checkpoint left off.
