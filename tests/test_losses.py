@@ -172,10 +172,10 @@ def test_transition_scores_match_reference(target):
     assert not np.allclose(got[..., 0, :], got[..., 1, :])
 
 
-def dspine_batch(target, drafter):
+def dspine_batch(target, drafter, response_from=(3, 3)):
+    """response_from: each row's first response position."""
     feats = features(target, drafter, TOKENS)
-    loss_mask = jnp.arange(TOKENS.shape[1])[None, :] >= 3
-    loss_mask = jnp.broadcast_to(loss_mask, TOKENS.shape)
+    loss_mask = jnp.arange(TOKENS.shape[1])[None, :] >= jnp.asarray(response_from)[:, None]
     anchors, valid = ANCHORS, jnp.ones(ANCHORS.shape, bool)
     labels, sup = block_labels(TOKENS, loss_mask, anchors, valid, K)
     tgt = target(TOKENS)
@@ -272,17 +272,11 @@ def test_per_device_loss_shares_add_up_to_the_whole_batch(target):
     (or a mean of means) would not match."""
     drafter = make(target, "dspine")
     e_in, e_out = target.input_embedding(), target.output_embedding()
-    feats = features(target, drafter, TOKENS)
-    loss_mask = jnp.arange(TOKENS.shape[1])[None, :] >= jnp.asarray([[3], [14]])
-    labels, sup = block_labels(TOKENS, loss_mask, ANCHORS, jnp.ones(ANCHORS.shape, bool), K)
-    tlogits = target_slot_logits(target(TOKENS).final_hidden, ANCHORS, K, e_out)
-    positions = ANCHORS[..., None] + jnp.arange(K)
-    teacher = jnp.take_along_axis(TOKENS, jnp.clip(positions - 1, 0, 23).reshape(2, -1),
-                                  1).reshape(positions.shape)
+    feats, anchors, labels, sup, tlogits, teacher = dspine_batch(target, drafter, (3, 14))
     config = dataclasses.replace(LossConfig.for_drafter(drafter.config), top_k=4,
                                  alignment_warmup_steps=1)
     graph, params, rest = nnx.split(drafter, nnx.Param, ...)
-    batch = (TOKENS, feats, ANCHORS, labels, sup, tlogits, teacher)
+    batch = (TOKENS, feats, anchors, labels, sup, tlogits, teacher)
 
     def loss(params, tokens, feats, anchors, labels, sup, tlogits, teacher, all_sum=None):
         model = nnx.merge(graph, params, rest)

@@ -1,5 +1,9 @@
 """Where does the 2-GPU data-parallel backward produce NaN? Per-loss-term gradients on the
-mesh vs one device, then checkify float checks on the mesh's full gradient."""
+mesh vs one device, then checkify float checks on the mesh's full gradient.
+Run from the repo root on the two-GPU machine, before the trainer's fix:
+python3 grad_per_loss_term.py data.path=DATA  (output: grad-per-loss-term.log; the
+checkify pass did not finish within the call's limit).
+"""
 import sys, time
 from pathlib import Path
 import jax, jax.numpy as jnp, numpy as np

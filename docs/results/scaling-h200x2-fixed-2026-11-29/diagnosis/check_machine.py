@@ -1,4 +1,7 @@
-"""Two-GPU diagnosis: device-to-device copies and collectives, JAX and torch."""
+"""Two-GPU diagnosis: device-to-device copies and collectives, JAX and torch.
+Run from the repo root on the two-GPU machine: python3 check_machine.py jax|torch
+(also with NCCL_P2P_DISABLE=1 and NCCL_P2P_LEVEL=LOC; all three matched).
+"""
 import json, os, sys
 import numpy as np
 
