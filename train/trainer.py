@@ -192,7 +192,7 @@ def make_step(cfg: TrainConfig, target_graph, drafter_graph, tx, loss_config,
             # `rest` (DSpine's fixed transfer basis) stays float32.
             drafter = nnx.merge(drafter_graph, jax.tree.map(cast, params), rest)
             draft = drafter.forward_train(tokens, features, anchors, e_in, e_out,
-                                          replace=replace if replacing else None)
+                                          replace=replace)
             return drafter_loss(loss_config, drafter, draft, labels, supervised,
                                 target_logits=target_logits, teacher_tokens=teacher,
                                 output_embedding=e_out, step=step, all_sum=all_sum)
@@ -219,7 +219,7 @@ def make_step(cfg: TrainConfig, target_graph, drafter_graph, tx, loss_config,
         features = jax.lax.stop_gradient(features)
         final_hidden = jax.lax.stop_gradient(final_hidden)
         anchors, valid = sample_anchors(anchor_key, loss_mask, n)
-        replace = jnp.zeros(anchors.shape, bool)
+        replace = jnp.zeros(anchors.shape, bool)  # read only where the switch is on
         if replacing:
             p = teacher_replacement_probability(step / cfg.run.steps, spine.replacement_hold_ratio,
                                                 spine.replacement_end_ratio,
