@@ -25,6 +25,7 @@ from dspine_jax.checkpoints import load_target
 from dspine_jax.data.prompts import sharegpt_prompts
 from dspine_jax.drafters.checkpoint import load_drafter
 from dspine_jax.drafters.model import DraftOutput
+from dspine_jax.registry import resolve_drafter
 from dspine_jax.sampling import SamplingParams
 from dspine_jax.spec.propose import propose_chain
 
@@ -186,7 +187,7 @@ def main(argv=None) -> None:
                  for p, r in zip(prompts, greedy)]
     reports = {}
     for folder in args.drafter:
-        drafter = load_drafter(folder, dtype=loaded.model.dtype)
+        drafter = load_drafter(resolve_drafter(folder), dtype=loaded.model.dtype)
         name = Path(folder).name
         reports[name] = diagnose(loaded, drafter, sequences, args.stride)
         reports[name]["engine_check"] = engine_check(
