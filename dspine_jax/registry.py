@@ -124,14 +124,15 @@ def check_sha256(path: Path, expected: str, origin: str) -> None:
                               "Delete it and run again.")
 
 
-# Built-in drafters: trained by the replication run (train/replicate_smollm2.sh, see
-# docs/replication.md) and shipped in the source tree, bf16 safetensors.
+# Built-in drafters: run 4 of the replication (docs/replication.md), 3,000 steps each:
+# `STEPS=3000 KINDS="dflash dspine-ce-no-alignment" train/replicate_smollm2.sh train`.
+# Shipped in the source tree, bf16 safetensors.
 DRAFTER_ASSETS = Path(__file__).parent / "assets" / "drafters"
 BUILTIN_DRAFTERS = {  # name -> sha256 of its model.safetensors
     "smollm2-135m-instruct-dflash":
-        "bb070aa0648d01bd95672d8a31d60f37e5fa07732874daa18b96e911afde5af1",
+        "2fdaad5ec67137a22b0b347e28be317b0bc365695bf18cfccd3a932ac042fb04",
     "smollm2-135m-instruct-dspine":
-        "2c4f21283cae63a5b711456e2c3cfe38eaa623963d8d20f33a7e4c9287a9cd88",
+        "9da6d43d6d8a632925bc1181dfa3b6323ee0e6ad28e945cacf1a028b7a7bbf4c",
 }
 
 

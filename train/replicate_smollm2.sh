@@ -11,7 +11,8 @@
 #   KINDS="dspine dflash dflash-cel1"  TEMPS="0 1"  TRAIN_SET="..." (extra --set for train)
 #   Ablation kinds (one DSpine switch off each, ABLATIONS below): dspine-no-injection
 #   dspine-no-teacher dspine-bidirectional dspine-no-alignment dspine-no-chain dspine-ce;
-#   and dspine-ce-no-alignment (both losses the run-3 ablations found costly, off)
+#   and dspine-ce-no-alignment (both losses the run-3 ablations found costly, off).
+#   The shipped drafters: STEPS=3000 KINDS="dflash dspine-ce-no-alignment" (run 4)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
