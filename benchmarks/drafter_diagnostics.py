@@ -2,7 +2,7 @@
 layer and what each layer already predicts, on the target's own greedy continuations of
 held-out ShareGPT prompts (data no drafter trained on).
 
-    python -m benchmarks.drafter_diagnostics --drafter DIR [--drafter DIR ...] --out DIR
+    python -m dspine_benchmarks.drafter_diagnostics --drafter DIR [--drafter DIR ...] --out DIR
 
 Teacher-forced: every block sees the true context, as in training. The engine's real
 acceptance is checked against the same rule at the anchors the engine actually used
@@ -27,7 +27,7 @@ from dspine_jax.drafters.checkpoint import load_drafter
 from dspine_jax.drafters.model import DraftOutput
 from dspine_jax.registry import resolve_drafter
 from dspine_jax.sampling import SamplingParams
-from dspine_jax.spec.propose import propose_chain
+from dspine_jax.speculative.propose import propose_chain
 
 
 def accepted(pred: np.ndarray, labels: np.ndarray) -> np.ndarray:

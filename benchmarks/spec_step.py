@@ -25,7 +25,7 @@ from datetime import date
 import jax
 import numpy as np
 
-from benchmarks.decode_step import jax_copy_bandwidth, load_jax_target, median_time, step_bytes
+from dspine_benchmarks.decode_step import jax_copy_bandwidth, load_jax_target, median_time, step_bytes
 
 
 def parse_args():

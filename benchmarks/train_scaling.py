@@ -1,6 +1,6 @@
 """Data-parallel and FSDP scaling of `dspine train` on one host: loss curves and tokens/s.
 
-  python -m benchmarks.train_scaling --config train/configs/smollm2_dspine.toml \\
+  python -m dspine_benchmarks.train_scaling --config train/configs/smollm2_dspine.toml \\
       --mesh 1x1 2x1 1x2 --steps 300 --set data.path=runs/data/sharegpt --out runs/scaling
 
 Every mesh DATAxFSDP runs `dspine train` in its own process on DATA*FSDP devices (the first

@@ -1,6 +1,6 @@
 """Drafter training throughput (tokens/s, MFU) on synthetic data.
 
-  python -m benchmarks.train_throughput --target preset:smollm2-135m --kind dspine
+  python -m dspine_benchmarks.train_throughput --target preset:smollm2-135m --kind dspine
 
 Writes a dataset of random token sequences (throughput does not depend on their content),
 runs `dspine train` for --steps steps and reports the steady-state figures the trainer
@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from dspine_jax.data.shards import Sequence, write_manifest, write_shard
-from train.config import from_dict
-from train.trainer import train
+from dspine_train.config import from_dict
+from dspine_train.trainer import train
 
 
 def synthetic_dataset(folder: Path, vocab: int, num: int, seq_len: int, prompt: int) -> None:

@@ -225,7 +225,7 @@ def data_regenerate(
     """Regenerate responses with the target itself: the drafters' training data."""
     try:
         from dspine_jax.sampling import validate_sampling
-        from train.regenerate import regenerate
+        from dspine_train.regenerate import regenerate
 
         validate_sampling(temperature, top_p, 0)
         manifest = regenerate(out, target=target, source=source, limit=limit,
@@ -249,8 +249,8 @@ def data_features(
 ):
     """Cache the target's features for a training config (data.cached_features = true)."""
     try:
-        from train.config import load_config
-        from train.features import cache_features
+        from dspine_train.config import load_config
+        from dspine_train.features import cache_features
 
         folder = cache_features(load_config(config, overrides), batch_size=batch_size)
     except DSpineError as e:
@@ -282,8 +282,8 @@ def train(
         elif coordinator or num_processes or process_id is not None:
             raise ConfigError("--coordinator, --num-processes and --process-id need "
                               "--distributed")
-        from train.config import load_config
-        from train.trainer import train as run_training
+        from dspine_train.config import load_config
+        from dspine_train.trainer import train as run_training
 
         summary = run_training(load_config(config, overrides))
     except DSpineError as e:

@@ -25,8 +25,8 @@ from dspine_jax.decoding import BatchDecoder, DecodeState, emit
 from dspine_jax.drafters.model import BlockDrafter
 from dspine_jax.kv_cache import KVCache
 from dspine_jax.sampling import sample_tokens, target_probabilities
-from dspine_jax.spec.propose import Proposal, propose
-from dspine_jax.spec.verify import Verdict, verify
+from dspine_jax.speculative.propose import Proposal, propose
+from dspine_jax.speculative.verify import Verdict, verify
 from dspine_jax.target import TargetModel
 
 

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 from scipy.stats import chisquare
 
-import dspine_jax.spec.verify as verify_module
+import dspine_jax.speculative.verify as verify_module
 from dspine_jax.config import TargetConfig
 from dspine_jax.decoding import DecodeState, emit
 from dspine_jax.drafters.config import DrafterConfig, DSpineConfig
@@ -18,8 +18,8 @@ from dspine_jax.drafters.model import BlockDrafter
 from dspine_jax.engine import SpeculativeEngine
 from dspine_jax.generate import AutoregressiveGenerator
 from dspine_jax.sampling import SamplingParams, target_probabilities
-from dspine_jax.spec.propose import Proposal
-from dspine_jax.spec.verify import verify
+from dspine_jax.speculative.propose import Proposal
+from dspine_jax.speculative.verify import verify
 from dspine_jax.target import TargetModel
 
 TARGET = TargetConfig(family="llama", vocab_size=61, hidden_size=48, intermediate_size=64,
@@ -233,7 +233,7 @@ def test_greedy_dspine_proposal_compiles_without_a_vocabulary_sort():
     import re
 
     from dspine_jax.drafters.model import DraftOutput
-    from dspine_jax.spec.propose import propose
+    from dspine_jax.speculative.propose import propose
 
     if jax.default_backend() != "cpu":
         pytest.skip("the lowering checked here is XLA CPU's")

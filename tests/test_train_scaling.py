@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from benchmarks.train_scaling import first_step_parity, parse_mesh, summarise
+from dspine_benchmarks.train_scaling import first_step_parity, parse_mesh, summarise
 
 
 def run(data, fsdp, losses, tokens_per_s, ce=None):

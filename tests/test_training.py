@@ -21,7 +21,7 @@ from dspine_jax.data.prompts import is_held_out
 from dspine_jax.data.shards import load_dataset, read_manifest
 from dspine_jax.errors import ConfigError, InputError
 from tests.conftest import save_hf_model, write_tiny_tokenizer
-from train.config import load_config
+from dspine_train.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,7 +87,7 @@ def test_regenerated_data_are_the_targets_greedy_responses(workspace):
 
 
 def test_regeneration_resumes_and_refuses_other_settings(workspace, tmp_path, monkeypatch):
-    import train.regenerate as regen
+    import dspine_train.regenerate as regen
 
     out = tmp_path / "data"
     real = regen.write_shard
@@ -213,8 +213,8 @@ def test_corrupted_checkpoint_is_reported_not_restarted(workspace, tmp_path):
 SHARDED = textwrap.dedent("""
     import os, sys
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=" + sys.argv[1]
-    from train.config import load_config
-    from train.trainer import train
+    from dspine_train.config import load_config
+    from dspine_train.trainer import train
     cfg = load_config(sys.argv[2], sys.argv[3:])
     train(cfg, progress=False)
 """)
@@ -269,7 +269,7 @@ def test_sigterm_or_deadline_checkpoints_and_stops(workspace, tmp_path):
     import os
     import signal
 
-    from train.trainer import StopRequest
+    from dspine_train.trainer import StopRequest
 
     before = signal.getsignal(signal.SIGTERM)
     request = StopRequest(0)
@@ -317,7 +317,7 @@ def test_mesh_check_passes_a_sound_mesh_and_names_a_broken_one(workspace, tmp_pa
 
 
 def test_relative_gap_never_passes_a_nan():
-    from train.mesh_check import real_positions, relative_gap
+    from dspine_train.mesh_check import real_positions, relative_gap
 
     assert relative_gap([1.0, 2.0], [1.0, 2.0]) == 0.0
     assert relative_gap([1.0, 2.0], [1.0, 2.2]) == pytest.approx(0.2 / np.sqrt(5))
@@ -335,7 +335,7 @@ def test_the_training_step_compiles_once(workspace, tmp_path, caplog):
 
     import jax
 
-    from train.trainer import train
+    from dspine_train.trainer import train
 
     (tmp_path / "c.toml").write_text(config_text(workspace, tmp_path / "run", steps=3))
     with caplog.at_level(logging.WARNING), jax.log_compiles():
@@ -355,7 +355,7 @@ def test_two_processes_train_like_one_device(workspace, tmp_path):
     assert run_cli("train", "--config", str(tmp_path / "one.toml")).exit_code == 0
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
-    from benchmarks.train_scaling import free_port
+    from dspine_benchmarks.train_scaling import free_port
 
     port = free_port()
     procs = [subprocess.Popen(

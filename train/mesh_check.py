@@ -1,6 +1,6 @@
 """Does a training config's mesh compute what one device computes? One batch, one step.
 
-  python -m train.mesh_check --config train/configs/smollm2_dspine.toml [--set k=v ...]
+  python -m dspine_train.mesh_check --config train/configs/smollm2_dspine.toml [--set k=v ...]
 
 Runs, for the same batch, on the first device alone and on the config's `data x fsdp`
 mesh over all devices: (1) the target's forward pass (the features the drafter reads, the
@@ -25,8 +25,8 @@ from flax import nnx
 from dspine_jax.checkpoints import load_target, resolve_dtype
 from dspine_jax.losses import LossConfig
 from train import sharding
-from train.config import load_config
-from train.trainer import BatchStream, build_drafter, make_optimizer, make_step, split_drafter
+from dspine_train.config import load_config
+from dspine_train.trainer import BatchStream, build_drafter, make_optimizer, make_step, split_drafter
 
 
 def relative_gap(reference, other) -> float:

@@ -38,8 +38,8 @@ from dspine_jax.drafters.model import BlockDrafter
 from dspine_jax.errors import CheckpointError, ConfigError, InputError
 from dspine_jax.losses import LossConfig, drafter_loss, teacher_replacement_probability
 from train import sharding
-from train.config import TrainConfig
-from train.features import open_features
+from dspine_train.config import TrainConfig
+from dspine_train.features import open_features
 
 
 # ----- data ---------------------------------------------------------------------------------
