@@ -1,8 +1,17 @@
 """Pallas kernels, one folder per op, each beside the pure-JAX reference it must equal.
 
-Kernels import nothing from `dspine_jax`. None is written yet: every op runs as its
-reference in `dspine_jax` (attention: `layers.dot_product_attention`; DSpine's transition
-table: `BlockDrafter.transition_scores`). The measured first candidates are a ragged
-attention over the KV cache (dense attention reads the whole cache capacity) and fused
-decode layers for small targets (SmolLM2 decoding is launch-bound; docs/benchmarks.md).
+Kernels import nothing from `dspine_jax`. Each op has one public function with an
+`implementation="auto" | "xla" | "pallas_tpu" | "pallas_gpu"` switch; "xla" is the
+reference (plain JAX, the documentation of what the kernels compute).
+
+* `ragged_paged_attention` (folder `ragged_paged_attention/`): writes a call's new keys
+  and values into a paged KV cache and attends over each row's first kv_lens keys,
+  causal (prefill chunks, decode, verification, DSpine's draft block) or bidirectional
+  (DFlash's draft block after its context). Mosaic TPU kernel and a Hopper GPU kernel
+  (split-KV flash-decoding, Pallas Triton lowering); timings in
+  `benchmarks/attention_kernels.py`.
 """
+
+from .ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
+
+__all__ = ["ragged_paged_attention", "ragged_paged_attention_reference"]

@@ -1,0 +1,65 @@
+"""Ragged paged attention: attention of this call's queries over a paged KV cache.
+
+`ragged_paged_attention` writes the call's new keys/values into the page pools and attends
+over each row's first kv_lens[b] keys, causal or bidirectional. Implementations:
+"xla" (reference.py, plain JAX: the documentation of the op), "pallas_tpu" (tpu.py,
+Mosaic TPU), "pallas_gpu" (gpu.py, Pallas Triton lowering for Hopper); "auto" picks
+pallas_gpu on CUDA, pallas_tpu on TPU and xla elsewhere.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from .common import IMPLEMENTATIONS, MASKS, backend_implementation, check_inputs
+from .reference import ragged_paged_attention_reference
+
+__all__ = ["ragged_paged_attention", "ragged_paged_attention_reference", "IMPLEMENTATIONS",
+           "MASKS"]
+
+
+@functools.partial(jax.jit, static_argnames=("mask", "sm_scale", "implementation",
+                                             "interpret"))
+def ragged_paged_attention(q, new_k, new_v, k_pages, v_pages, page_table, kv_lens, q_lens,
+                           *, mask="causal", sm_scale=None, implementation="auto",
+                           interpret=False):
+    """Writes this call's keys/values into the page pools and attends over the paged cache.
+
+    Args:
+      q: [B, T, N, H] queries; row b uses its first q_lens[b], the rest are padding.
+      new_k, new_v: [B, T, K, H] keys/values of those T tokens (RoPE already applied).
+      k_pages, v_pages: [P, page_size, K, H] the layer's page pools (donate them).
+      page_table: [B, pages_per_seq] int32 page ids of each row, in order.
+      kv_lens: [B] int32 keys valid after this call's write (context + q_lens[b]).
+      q_lens: [B] int32, 0 <= q_lens <= T; a row with q_lens 0 writes nothing.
+      mask: "causal" (query at absolute position p sees keys [0, p]) or "bidirectional"
+        (every valid query of row b sees keys [0, kv_lens[b])).
+      sm_scale: score scale, default H ** -0.5.
+      implementation: "auto" | "xla" | "pallas_tpu" | "pallas_gpu".
+      interpret: run a Pallas implementation in interpret mode (CPU tests).
+
+    Token t < q_lens[b] of row b is written at absolute position
+    p = kv_lens[b] - q_lens[b] + t (page page_table[b, p // page_size], slot
+    p % page_size). Supports H in (64, 128), bf16/f32, N = K * G with G in 1..8, page sizes
+    8..256 (powers of two); scores and softmax in float32. Outputs at padding queries are
+    zeros.
+
+    Returns:
+      (out [B, T, N, H], k_pages, v_pages) with the new tokens written.
+    """
+    check_inputs(q, new_k, new_v, k_pages, v_pages, page_table, kv_lens, q_lens, mask=mask,
+                 sm_scale=sm_scale, implementation=implementation)
+    if implementation == "auto":
+        implementation = backend_implementation()
+    args = (q, new_k, new_v, k_pages, v_pages, page_table, kv_lens, q_lens)
+    if implementation == "xla":
+        return ragged_paged_attention_reference(*args, mask=mask, sm_scale=sm_scale)
+    if implementation == "pallas_tpu":
+        from .tpu import ragged_paged_attention_tpu
+        return ragged_paged_attention_tpu(*args, mask=mask, sm_scale=sm_scale,
+                                          interpret=interpret)
+    from .gpu import ragged_paged_attention_gpu
+    return ragged_paged_attention_gpu(*args, mask=mask, sm_scale=sm_scale,
+                                      interpret=interpret)
