@@ -89,7 +89,7 @@ def _kernel(page_table_ref, kv_lens_ref, q_lens_ref, q_ref, k_ref, v_ref,   # in
         k = k_ref[row, :]                                              # [BN, H]
         v = v_ref[row, :]
         # [BM, BN] scores in log2 units
-        s = pl.dot(q, k, trans_b=True, precision=precision) * scale_log2
+        s = pltriton.dot(q, k, trans_b=True, precision=precision) * scale_log2
         visible = pos[None, :] < kv_len
         if causal:
             visible = visible & (pos[None, :] <= q_pos[:, None])
@@ -98,7 +98,7 @@ def _kernel(page_table_ref, kv_lens_ref, q_lens_ref, q_ref, k_ref, v_ref,   # in
         alpha = jnp.exp2(m_i - m_new)
         p = jnp.where(visible, jnp.exp2(s - m_new[:, None]), 0.0)
         l_new = l_i * alpha + p.sum(axis=1)
-        acc = acc * alpha[:, None] + pl.dot(p.astype(v.dtype), v, precision=precision)
+        acc = acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v, precision=precision)
         return acc, m_new, l_new
 
     head_dim = q.shape[-1]

@@ -1,0 +1,220 @@
+"""ragged_paged_attention: every implementation against a float64 numpy reference.
+
+One test body runs against each implementation: "xla" (the reference), "pallas_tpu" in
+TPU interpret mode and "pallas_gpu" in Pallas interpret mode (the GPU kernel uses the
+Triton lowering, whose kernels run in interpret mode on the CPU), all on the CPU; the
+`gpu`-marked tests run the same body compiled (interpret=False) and skip, saying so,
+where JAX has no CUDA backend.
+
+Inputs are poisoned so that a read past a row's keys shows: pages no row uses, the pages
+behind unused page-table entries, the slots of a row's last page past kv_len and the
+slots this call writes are all NaN before the call.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import ragged_paged_attention
+
+# B batch rows, T query tokens, N query heads, K kv heads, G = N / K, H head dim.
+# (name, T, K, G, H, dtype, mask, page_size, kv_lens, q_lens)
+PS = 16
+CASES = [
+    ("decode_lengths_g1", 1, 2, 1, 64, "float32", "causal", PS,
+     [1, PS - 1, PS, PS + 1, 3 * PS + 5], [1, 1, 1, 1, 1]),
+    ("decode_g8_bf16", 1, 1, 8, 128, "bfloat16", "causal", PS,
+     [PS + 1, 1, 2 * PS], [1, 1, 1]),
+    ("verify_ragged_g3", 16, 2, 3, 64, "float32", "causal", PS,
+     [16, PS + 1 + 5, 40, 7, 16 + PS], [16, 5, 16, 0, 16]),
+    ("verify_g8_bf16", 16, 1, 8, 128, "bfloat16", "causal", PS,
+     [PS - 1, 33, 16], [3, 16, 16]),
+    ("draft_bidirectional_g3_bf16", 16, 2, 3, 128, "bfloat16", "bidirectional", PS,
+     [16 + PS, 17, 50, 9], [16, 1, 16, 0]),
+    ("draft_bidirectional_g8_f32", 16, 1, 8, 64, "float32", "bidirectional", PS,
+     [PS + 16, 20, PS], [16, 4, 16]),
+    ("empty_rows_and_prefill", 16, 2, 1, 128, "float32", "causal", PS,
+     [0, 16, 12, 3 * PS], [0, 16, 12, 0]),
+    ("page_size_8", 16, 3, 1, 64, "bfloat16", "causal", 8, [1, 8, 9, 30], [1, 8, 9, 16]),
+    ("page_size_32_bidirectional", 1, 2, 3, 64, "float32", "bidirectional", 32,
+     [31, 32, 33], [1, 1, 1]),
+]
+TOL = {"float32": 2e-5, "bfloat16": 2e-2}
+INTERPRETED = ["xla", "pallas_tpu", "pallas_gpu"]
+
+
+def make_case(seed, t, kv_heads, group, h, dtype, page_size, kv_lens, q_lens):
+    """Random inputs with a shuffled page table and NaN wherever nothing may be read."""
+    rng = np.random.default_rng(seed)
+    b = len(kv_lens)
+    kv_lens = np.asarray(kv_lens, np.int32)
+    q_lens = np.asarray(q_lens, np.int32)
+    assert np.all(q_lens <= kv_lens) and np.all(q_lens <= t)
+    used = -(-kv_lens // page_size)                         # pages each row owns
+    pages_per_seq = int(used.max()) + 2                     # spare entries in every row
+    spare = b * pages_per_seq - int(used.sum())
+    num_pages = int(used.sum()) + spare + 3                 # + pages nobody references
+    ids = rng.permutation(num_pages).astype(np.int32)
+    page_table = np.empty((b, pages_per_seq), np.int32)
+    nxt = 0
+    for i in range(b):                                      # owned pages first, then spares
+        page_table[i] = ids[nxt:nxt + pages_per_seq]
+        nxt += pages_per_seq
+    np_dtype = jnp.dtype(dtype)
+    n = kv_heads * group
+    pool_shape = (num_pages, page_size, kv_heads, h)
+    k_pages = np.full(pool_shape, np.nan, np.float32)
+    v_pages = np.full(pool_shape, np.nan, np.float32)
+    for i in range(b):
+        ctx = kv_lens[i] - q_lens[i]                        # keys already in the cache
+        for p in range(ctx):
+            page, slot = page_table[i, p // page_size], p % page_size
+            k_pages[page, slot] = rng.standard_normal((kv_heads, h))
+            v_pages[page, slot] = rng.standard_normal((kv_heads, h))
+    cast = lambda x: np.asarray(jnp.asarray(x, np_dtype))
+    return dict(
+        q=cast(rng.standard_normal((b, t, n, h))),
+        new_k=cast(rng.standard_normal((b, t, kv_heads, h))),
+        new_v=cast(rng.standard_normal((b, t, kv_heads, h))),
+        k_pages=cast(k_pages), v_pages=cast(v_pages), page_table=page_table,
+        kv_lens=kv_lens, q_lens=q_lens)
+
+
+def numpy_reference(case, mask, scale):
+    """Float64: the pools after the write, and attention of each valid query."""
+    f64 = lambda x: np.asarray(x, np.float64)
+    q, new_k, new_v = f64(case["q"]), f64(case["new_k"]), f64(case["new_v"])
+    k_written, v_written = case["k_pages"].copy(), case["v_pages"].copy()
+    page_table, kv_lens, q_lens = case["page_table"], case["kv_lens"], case["q_lens"]
+    b, t, n, h = q.shape
+    page_size, kv_heads = k_written.shape[1], k_written.shape[2]
+    group = n // kv_heads
+    for i in range(b):
+        for tok in range(q_lens[i]):
+            p = kv_lens[i] - q_lens[i] + tok
+            k_written[page_table[i, p // page_size], p % page_size] = case["new_k"][i, tok]
+            v_written[page_table[i, p // page_size], p % page_size] = case["new_v"][i, tok]
+    out = np.zeros((b, t, n, h))
+    for i in range(b):
+        pos = np.arange(kv_lens[i])
+        pages = page_table[i, pos // page_size]
+        # [S, N, H]: the row's keys, each kv head repeated for its G query heads
+        k = np.repeat(f64(k_written[pages, pos % page_size]), group, axis=1)
+        v = np.repeat(f64(v_written[pages, pos % page_size]), group, axis=1)
+        for tok in range(q_lens[i]):
+            seen = kv_lens[i] - q_lens[i] + tok + 1 if mask == "causal" else kv_lens[i]
+            scores = np.einsum("NH,SNH->NS", q[i, tok], k[:seen]) * scale
+            probs = np.exp(scores - scores.max(axis=1, keepdims=True))
+            probs /= probs.sum(axis=1, keepdims=True)
+            out[i, tok] = np.einsum("NS,SNH->NH", probs, v[:seen])
+    return out, k_written, v_written
+
+
+def bits(x):
+    x = np.asarray(x)
+    return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
+
+
+def check_case(implementation, interpret, case_id, spec):
+    name, t, kv_heads, group, h, dtype, mask, page_size, kv_lens, q_lens = spec
+    case = make_case(case_id, t, kv_heads, group, h, dtype, page_size, kv_lens, q_lens)
+    scale = 0.7 * h ** -0.5 if case_id % 2 else None           # both default and explicit
+    out, k_pages, v_pages = ragged_paged_attention(
+        *(jnp.asarray(case[k]) for k in ("q", "new_k", "new_v", "k_pages", "v_pages",
+                                          "page_table", "kv_lens", "q_lens")),
+        mask=mask, sm_scale=scale, implementation=implementation, interpret=interpret)
+    ref_out, ref_k, ref_v = numpy_reference(case, mask, scale or h ** -0.5)
+
+    assert out.shape == case["q"].shape and out.dtype == jnp.dtype(dtype)
+    # the pools: new tokens at their slots, every other slot bit-unchanged (NaN included)
+    np.testing.assert_array_equal(bits(k_pages), bits(ref_k))
+    np.testing.assert_array_equal(bits(v_pages), bits(ref_v))
+    out = np.asarray(out, np.float64)
+    valid = np.arange(t)[None, :] < case["q_lens"][:, None]
+    assert np.all(out[~valid] == 0), "padding queries must output zeros"
+    tol = TOL[dtype]
+    np.testing.assert_allclose(out[valid], ref_out[valid], rtol=tol, atol=tol,
+                               err_msg=f"{implementation} {name}")
+
+
+@pytest.mark.parametrize("implementation", INTERPRETED)
+@pytest.mark.parametrize("case_id", range(len(CASES)), ids=[c[0] for c in CASES])
+def test_matches_float64_reference(implementation, case_id):
+    check_case(implementation, implementation != "xla", case_id, CASES[case_id])
+
+
+def _needs_cuda():
+    if jax.default_backend() != "gpu":
+        pytest.skip(f"needs a CUDA GPU; JAX backend here is {jax.default_backend()!r}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case_id", range(len(CASES)), ids=[c[0] for c in CASES])
+def test_gpu_kernel_compiled(case_id):
+    _needs_cuda()
+    check_case("pallas_gpu", False, case_id, CASES[case_id])
+
+
+@pytest.mark.gpu
+def test_auto_picks_the_gpu_kernel_on_cuda():
+    _needs_cuda()
+    spec = CASES[2]
+    check_case("auto", False, 2, spec)
+
+
+def test_auto_is_xla_on_cpu():
+    if jax.default_backend() != "cpu":
+        pytest.skip("checks the CPU choice")
+    spec = CASES[0]
+    case = make_case(0, *spec[1:6], spec[7], spec[8], spec[9])
+    args = [jnp.asarray(case[k]) for k in ("q", "new_k", "new_v", "k_pages", "v_pages",
+                                           "page_table", "kv_lens", "q_lens")]
+    auto = ragged_paged_attention(*args, implementation="auto")
+    xla = ragged_paged_attention(*args, implementation="xla")
+    for a, x in zip(auto, xla):
+        np.testing.assert_array_equal(bits(a), bits(x))
+
+
+def _shapes(b=2, t=4, n=4, k=2, h=64, p=8, ps=16, pps=3, dtype=jnp.float32):
+    s = jax.ShapeDtypeStruct
+    return dict(q=s((b, t, n, h), dtype), new_k=s((b, t, k, h), dtype),
+                new_v=s((b, t, k, h), dtype), k_pages=s((p, ps, k, h), dtype),
+                v_pages=s((p, ps, k, h), dtype), page_table=s((b, pps), jnp.int32),
+                kv_lens=s((b,), jnp.int32), q_lens=s((b,), jnp.int32))
+
+
+BAD = [
+    ("head dim", dict(h=32), {}),
+    ("dtype", dict(dtype=jnp.float16), {}),
+    ("page_size", dict(ps=12), {}),
+    ("multiple of kv heads", dict(n=5, k=2), {}),
+    ("G=N/K must be in 1..8", dict(n=18, k=2), {}),
+    ("mask", {}, dict(mask="sliding")),
+    ("implementation", {}, dict(implementation="cuda")),
+    ("T * (N / K)", dict(t=130, n=8, k=2), dict(implementation="pallas_tpu")),
+]
+
+
+@pytest.mark.parametrize("what,shape_kw,call_kw", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_raises_at_trace_time(what, shape_kw, call_kw):
+    shapes = _shapes(**shape_kw)
+    with pytest.raises(ValueError, match="ragged_paged_attention"):
+        jax.eval_shape(lambda **a: ragged_paged_attention(**a, **call_kw), **shapes)
+
+
+def test_disagreeing_shapes_raise():
+    shapes = _shapes()
+    shapes["new_v"] = jax.ShapeDtypeStruct((2, 4, 2, 128), jnp.float32)
+    with pytest.raises(ValueError, match="ragged_paged_attention: new_v"):
+        jax.eval_shape(lambda **a: ragged_paged_attention(**a), **shapes)
+    shapes = _shapes()
+    shapes["page_table"] = jax.ShapeDtypeStruct((3, 3), jnp.int32)
+    with pytest.raises(ValueError, match="ragged_paged_attention: page_table"):
+        jax.eval_shape(lambda **a: ragged_paged_attention(**a), **shapes)
+    shapes = _shapes()
+    shapes["kv_lens"] = jax.ShapeDtypeStruct((2,), jnp.float32)
+    with pytest.raises(ValueError, match="ragged_paged_attention: kv_lens must be int32"):
+        jax.eval_shape(lambda **a: ragged_paged_attention(**a), **shapes)
