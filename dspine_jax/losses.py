@@ -29,35 +29,64 @@ BACKBONE_LOSSES = ("ce", "ce+l1")
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    gamma: float = 7.0                 # slot decay (paper: 7 for K=16, 5 for 10, 4 for 8)
-    backbone: str = "ce"               # [switch] "ce" (DFlash) or "ce+l1" (DSpine)
-    ce_weight: float = 0.1
-    refinement: bool = False           # DSpine's decoding-head loss
-    top_k: int = 16
+    """What training optimises: the loss terms and the teacher-replacement curriculum that
+    shapes the drafter's inputs. The one declaration of these fields: the TOML `[loss]`
+    section maps onto it field by field. `None` means "the drafter's own" and is filled in
+    by `resolve` (DFlash: CE only; DSpine: the design's CE+L1, refinement and alignment)."""
+
+    gamma: float | None = None         # slot decay; None: 7 for K=16, 5 for 10, 4 for 8
+    backbone: str | None = None        # [switch] "ce" (DFlash) or "ce+l1" (DSpine)
+    ce_weight: float = 0.1             # ce_weight * CE + (1 - ce_weight) * L1
+    refinement: bool | None = None     # decoding-head loss; None: when the head is on
+    top_k: int | None = None           # refinement candidates; None: the drafter's top_k
     candidate_mass_threshold: float = 1e-4
-    alignment_weight: float = 0.0      # beta; 0 disables
+    alignment: bool = True             # [switch] layer-wise output-embedding supervision
+    alignment_weight: float = 0.5      # beta (DSpine only)
     alignment_warmup_steps: int = 150
+    teacher_replacement: bool = True   # [switch] true predecessors' codes, early layers
+    replacement_layers: int = 3
+    replacement_probability: float = 0.5
+    replacement_hold_ratio: float = 1 / 6
+    replacement_end_ratio: float = 1 / 3
 
     def __post_init__(self):
-        if self.backbone not in BACKBONE_LOSSES:
+        if self.backbone is not None and self.backbone not in BACKBONE_LOSSES:
             raise ConfigError(f"loss.backbone must be one of {BACKBONE_LOSSES}, "
                               f"got {self.backbone!r}")
-        if not self.gamma > 0:
+        if self.gamma is not None and not self.gamma > 0:
             raise ConfigError(f"loss.gamma must be positive, got {self.gamma!r}")
+        for name in ("ce_weight", "replacement_probability", "replacement_hold_ratio",
+                     "replacement_end_ratio"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ConfigError(f"loss.{name} must be in [0, 1], got {getattr(self, name)!r}")
+        if self.replacement_hold_ratio > self.replacement_end_ratio:
+            raise ConfigError("loss.replacement_hold_ratio must not exceed "
+                              "loss.replacement_end_ratio")
+        for name in ("alignment_warmup_steps", "top_k"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"loss.{name} must be positive, got {value!r}")
+        if self.alignment_weight < 0 or self.replacement_layers < 0:
+            raise ConfigError("loss.alignment_weight and loss.replacement_layers must not be "
+                              "negative")
 
-    @classmethod
-    def for_drafter(cls, config: DrafterConfig, backbone: str | None = None) -> "LossConfig":
-        """The paper's loss for each drafter; `backbone` overrides (the loss-confound
-        baseline is DFlash with backbone="ce+l1")."""
-        gamma = {16: 7.0, 10: 5.0, 8: 4.0}.get(config.block_size, 7.0)
+    def resolve(self, config: DrafterConfig) -> "LossConfig":
+        """Every `None` filled in for this drafter; switches a DFlash cannot use turned off
+        (it has no transfer space to align to or to replace codes in)."""
         spine = config.dspine
-        if spine is None:
-            return cls(gamma=gamma, backbone=backbone or "ce")
-        return cls(gamma=gamma, backbone=backbone or "ce+l1", ce_weight=spine.ce_weight,
-                   refinement=spine.refinement_head, top_k=spine.top_k,
-                   candidate_mass_threshold=spine.candidate_mass_threshold,
-                   alignment_weight=spine.alignment_weight if spine.alignment else 0.0,
-                   alignment_warmup_steps=spine.alignment_warmup_steps)
+        return dataclasses.replace(
+            self,
+            gamma=self.gamma or {16: 7.0, 10: 5.0, 8: 4.0}.get(config.block_size, 7.0),
+            backbone=self.backbone or ("ce" if spine is None else "ce+l1"),
+            refinement=(spine is not None and spine.refinement_head
+                        if self.refinement is None else self.refinement),
+            top_k=self.top_k or (16 if spine is None else spine.top_k),
+            alignment=self.alignment and spine is not None,
+            teacher_replacement=self.teacher_replacement and spine is not None)
+
+    @property
+    def resolved(self) -> bool:
+        return None not in (self.gamma, self.backbone, self.refinement, self.top_k)
 
 
 def slot_weights(block_size: int, gamma: float) -> jax.Array:
@@ -87,7 +116,12 @@ def drafter_loss(config: LossConfig, drafter: BlockDrafter, out: DraftOutput, la
     all_sum: for a batch split over devices (inside shard_map), the sum over devices
     (psum). Every normaliser and metric is then the whole batch's, and the returned loss
     is this device's share: the shares sum to the whole batch's loss, so their gradients,
-    summed, are its gradient. Default: one device, the share is the loss."""
+    summed, are its gradient. Default: one device, the share is the loss.
+
+    `config` must be resolved for this drafter (`LossConfig.resolve`)."""
+    if not config.resolved:
+        raise ConfigError("drafter_loss needs a resolved LossConfig: call "
+                          "config.resolve(drafter.config) first")
     total = all_sum or (lambda x: x)
     k = labels.shape[-1]
     w = slot_weights(k, config.gamma) * supervised                      # [B, n, K]
@@ -132,7 +166,7 @@ def drafter_loss(config: LossConfig, drafter: BlockDrafter, out: DraftOutput, la
         metrics["refined_accuracy"] = _mean_over(refined_top[..., 0] == labels, supervised,
                                                   total)
 
-    if config.alignment_weight > 0:
+    if config.alignment and config.alignment_weight > 0:
         rank = drafter.config.dspine.transfer_rank
         codes = drafter.code(labels, output_embedding) / math.sqrt(rank)  # unit c_label
         f = out.features                                                # [L, B, n, K, r]

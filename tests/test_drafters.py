@@ -159,7 +159,7 @@ def test_injection_conditions_successors_on_predecessors(target):
     a = jnp.asarray([[9], [9]])
     replace = jnp.asarray([[True], [False]])
     out = drafter.forward_train(TOKENS, feats, a, target.input_embedding(),
-                                target.output_embedding(), replace=replace)
+                                target.output_embedding(), replace=replace, replace_layers=3)
     plain = drafter.forward_train(TOKENS, feats, a, target.input_embedding(),
                                   target.output_embedding())
     # Teacher replacement changes the replaced block (slots >= 2) and only it.

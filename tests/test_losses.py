@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
@@ -43,11 +42,14 @@ def test_slot_weights_and_schedules():
          for x in (0.0, 0.1, 1 / 6, 0.25, 1 / 3, 0.6)]
     np.testing.assert_allclose(p, [0.5, 0.5, 0.5, 0.25, 0.0, 0.0], atol=1e-6)
     assert [float(alignment_scale(s, 0.5, 150)) for s in (0, 75, 150, 400)] == [0, 0.25, 0.5, 0.5]
-    assert LossConfig.for_drafter(make_config("dflash")).backbone == "ce"
-    spine = LossConfig.for_drafter(make_config("dspine"))
-    assert (spine.backbone, spine.refinement, spine.alignment_weight, spine.gamma) == \
-        ("ce+l1", True, 0.5, 7.0)
-    assert LossConfig.for_drafter(make_config("dflash"), backbone="ce+l1").backbone == "ce+l1"
+    flash = LossConfig().resolve(make_config("dflash"))
+    assert (flash.backbone, flash.refinement, flash.alignment, flash.teacher_replacement) == \
+        ("ce", False, False, False)
+    spine = LossConfig().resolve(make_config("dspine"))
+    assert (spine.backbone, spine.refinement, spine.alignment, spine.alignment_weight,
+            spine.gamma, spine.top_k) == ("ce+l1", True, True, 0.5, 7.0, 4)
+    assert LossConfig(backbone="ce+l1").resolve(make_config("dflash")).backbone == "ce+l1"
+    assert not LossConfig().resolved and spine.resolved
 
 
 def make_config(kind):
@@ -104,7 +106,8 @@ def test_backbone_loss_matches_reference(backbone):
     sup = rng.random((2, 3, K)) > 0.3
     sup[..., 0] = False
     target_logits = rng.normal(size=(2, 3, K, 11)).astype(np.float32)
-    config = LossConfig(gamma=3.0, backbone=backbone, ce_weight=0.1)
+    config = LossConfig(gamma=3.0, backbone=backbone, ce_weight=0.1, refinement=False,
+                        top_k=16, alignment=False)
     loss, metrics = drafter_loss(config, None, out, jnp.asarray(labels), jnp.asarray(sup),
                                  target_logits=jnp.asarray(target_logits))
     q = softmax64(out.logits)
@@ -192,7 +195,7 @@ def test_refinement_and_alignment_terms_match_reference(target):
     out = drafter.forward_train(TOKENS, feats, anchors, target.input_embedding(),
                                 target.output_embedding())
     config = LossConfig(gamma=7.0, backbone="ce+l1", ce_weight=0.1, refinement=True, top_k=4,
-                        alignment_weight=0.5, alignment_warmup_steps=10)
+                        alignment=True, alignment_weight=0.5, alignment_warmup_steps=10)
     loss, m = drafter_loss(config, drafter, out, labels, sup, target_logits=tlogits,
                            teacher_tokens=teacher, output_embedding=target.output_embedding(),
                            step=5)
@@ -225,8 +228,7 @@ def test_refinement_and_alignment_terms_match_reference(target):
 def test_gradients_reach_only_trainable_parameters(target):
     drafter = make(target, "dspine")
     feats, anchors, labels, sup, tlogits, teacher = dspine_batch(target, drafter)
-    config = LossConfig.for_drafter(drafter.config)
-    config = dataclasses.replace(config, top_k=4, alignment_warmup_steps=1)
+    config = LossConfig(top_k=4, alignment_warmup_steps=1).resolve(drafter.config)
     e_in, e_out = target.input_embedding(), target.output_embedding()
 
     def loss_fn(model, e_in, e_out):
@@ -256,8 +258,7 @@ def test_gradients_reach_only_trainable_parameters(target):
 def test_either_loss_with_either_drafter(target, kind, backbone):
     drafter = make(target, kind)
     feats, anchors, labels, sup, tlogits, teacher = dspine_batch(target, drafter)
-    config = dataclasses.replace(LossConfig.for_drafter(drafter.config, backbone=backbone),
-                                 top_k=4)
+    config = LossConfig(backbone=backbone, top_k=4).resolve(drafter.config)
     out = drafter.forward_train(TOKENS, feats, anchors, target.input_embedding(),
                                 target.output_embedding())
     loss, m = drafter_loss(config, drafter, out, labels, sup, target_logits=tlogits,
@@ -273,8 +274,7 @@ def test_per_device_loss_shares_add_up_to_the_whole_batch(target):
     drafter = make(target, "dspine")
     e_in, e_out = target.input_embedding(), target.output_embedding()
     feats, anchors, labels, sup, tlogits, teacher = dspine_batch(target, drafter, (3, 14))
-    config = dataclasses.replace(LossConfig.for_drafter(drafter.config), top_k=4,
-                                 alignment_warmup_steps=1)
+    config = LossConfig(top_k=4, alignment_warmup_steps=1).resolve(drafter.config)
     graph, params, rest = nnx.split(drafter, nnx.Param, ...)
     batch = (TOKENS, feats, anchors, labels, sup, tlogits, teacher)
 

@@ -269,7 +269,7 @@ def test_sigterm_or_deadline_checkpoints_and_stops(workspace, tmp_path):
     import os
     import signal
 
-    from dspine_train.trainer import StopRequest
+    from dspine_train.stopping import StopRequest
 
     before = signal.getsignal(signal.SIGTERM)
     request = StopRequest(0)
@@ -293,7 +293,7 @@ MESH_CHECK = textwrap.dedent("""
     import os, sys
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     import numpy as np
-    from train import mesh_check, sharding
+    from dspine_train import mesh_check, sharding
     if sys.argv[1] == "broken":  # a mesh that feeds its devices the wrong rows
         place = sharding.global_batch
         mesh_check.sharding.global_batch = lambda rows, mesh: place(

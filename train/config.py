@@ -2,6 +2,9 @@
 
 Every field is typed; an unknown section or key, or a value of the wrong type, is an
 error naming it. Defaults follow the paper (AdamW 6e-4, cosine, 4% warm-up, clip 1.0).
+Two sections are the library's own declarations, not copies: `[dspine]` is
+`DSpineConfig` (the architecture a drafter checkpoint stores) and `[loss]` is
+`LossConfig` (loss terms and the teacher-replacement curriculum).
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from dspine_jax.drafters.config import DSpineConfig
 from dspine_jax.errors import ConfigError
+from dspine_jax.losses import LossConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,20 +33,10 @@ class DrafterSection:
     block_size: int = 16
     mask_token_id: int = -1                # -1: the target tokenizer's mask token
     init_from: str = ""                    # a drafter folder to start from (else fresh)
-    # DSpine (ignored for DFlash); 0 picks the width-dependent default
-    transfer_rank: int = 0
-    message_size: int = 0
-    top_k: int = 16
-    injection: bool = True
-    teacher_replacement: bool = True
-    causal_block: bool = True
-    alignment: bool = True
-    refinement_head: bool = True
 
-
-@dataclasses.dataclass(frozen=True)
-class LossSection:
-    backbone: str = ""                     # "" = the drafter's own (dflash: ce, dspine: ce+l1)
+    def __post_init__(self):
+        if self.kind not in ("dflash", "dspine"):
+            raise ConfigError(f"drafter.kind must be 'dflash' or 'dspine', got {self.kind!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,17 +82,30 @@ class MeshSection:
 class TrainConfig:
     target: TargetSection = TargetSection()
     drafter: DrafterSection = DrafterSection()
-    loss: LossSection = LossSection()
+    dspine: DSpineConfig | None = None     # None: the width-dependent default (kind dspine)
+    loss: LossConfig = LossConfig()
     data: DataSection = DataSection()
     optim: OptimSection = OptimSection()
     run: RunSection = RunSection()
     mesh: MeshSection = MeshSection()
 
+    def __post_init__(self):
+        if self.dspine is not None and self.drafter.kind != "dspine":
+            raise ConfigError("a [dspine] section configures a DSpine drafter, but "
+                              f"drafter.kind is {self.drafter.kind!r}")
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
+def _section_class(hint):
+    """The dataclass behind a section's type hint (`X | None` -> X)."""
+    options = [a for a in typing.get_args(hint) if a is not type(None)]
+    return options[0] if options else hint
+
+
 def _coerce(where: str, value: Any, kind) -> Any:
+    kind = _section_class(kind)  # an optional field takes its type's values
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
@@ -115,7 +123,7 @@ def from_dict(raw: dict) -> TrainConfig:
                               f"{', '.join(hints)}")
         if not isinstance(table, dict):
             raise ConfigError(f"[{name}] must be a table")
-        cls = hints[name]
+        cls = _section_class(hints[name])
         fields = typing.get_type_hints(cls)
         values = {}
         for key, value in table.items():

@@ -43,7 +43,8 @@ def open_features(cfg, drafter_config, num_rows: int):
 
 def cache_features(cfg, batch_size: int = 16) -> Path:
     from dspine_jax.checkpoints import load_target
-    from dspine_train.trainer import BatchStream, drafter_config
+    from dspine_train.data import BatchStream
+    from dspine_train.drafter_setup import drafter_config
 
     loaded = load_target(cfg.target.name, dtype=cfg.target.dtype)
     dc = drafter_config(cfg, loaded)  # only the layer ids: no transfer space to build

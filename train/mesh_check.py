@@ -23,10 +23,12 @@ import numpy as np
 from flax import nnx
 
 from dspine_jax.checkpoints import load_target, resolve_dtype
-from dspine_jax.losses import LossConfig
-from train import sharding
+from dspine_train import sharding
 from dspine_train.config import load_config
-from dspine_train.trainer import BatchStream, build_drafter, make_optimizer, make_step, split_drafter
+from dspine_train.data import BatchStream
+from dspine_train.drafter_setup import build_drafter, resolved_loss, split_drafter
+from dspine_train.optimizer import make_optimizer
+from dspine_train.step import make_step
 
 
 def relative_gap(reference, other) -> float:
@@ -98,8 +100,8 @@ def main(argv=None) -> int:
     target_graph, target_params = nnx.split(loaded.model)
     drafter_graph, params, rest = split_drafter(drafter)
     tx, _ = make_optimizer(cfg)
-    loss_config = LossConfig.for_drafter(drafter.config, backbone=cfg.loss.backbone or None)
-    parts = (target_graph, target_params, drafter_graph, params, rest, tx, loss_config,
+    losses = resolved_loss(cfg, drafter.config)
+    parts = (target_graph, target_params, drafter_graph, params, rest, tx, losses,
              drafter.config)
     tokens, mask, _ = BatchStream(Path(cfg.data.path), cfg.data.seq_len, cfg.run.batch_size,
                                   cfg.run.seed).next()

@@ -30,13 +30,13 @@ TRAIN_SET=${TRAIN_SET:-}
 
 # Ablations: DSpine with switches of the design doc turned off (space-separated overrides).
 declare -A ABLATIONS=(
-  [dspine-no-injection]=drafter.injection=false
-  [dspine-no-teacher]=drafter.teacher_replacement=false
-  [dspine-bidirectional]=drafter.causal_block=false
-  [dspine-no-alignment]=drafter.alignment=false
-  [dspine-no-chain]=drafter.refinement_head=false
+  [dspine-no-injection]=dspine.injection=false
+  [dspine-no-teacher]=loss.teacher_replacement=false
+  [dspine-bidirectional]=dspine.causal_block=false
+  [dspine-no-alignment]=loss.alignment=false
+  [dspine-no-chain]=dspine.refinement_head=false
   [dspine-ce]=loss.backbone=ce
-  [dspine-ce-no-alignment]="loss.backbone=ce drafter.alignment=false"
+  [dspine-ce-no-alignment]="loss.backbone=ce loss.alignment=false"
 )
 
 timed() {  # timed NAME CMD...: run CMD and append its wall time to $RUNS/wall_times.tsv

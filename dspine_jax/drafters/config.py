@@ -38,38 +38,32 @@ def build_target_layer_ids(num_target_layers: int, num_features: int) -> tuple[i
 
 @dataclasses.dataclass(frozen=True)
 class DSpineConfig:
-    """DSpine's own settings (names follow the reference's `dspine_config`) and the
-    ablation switches of design doc section 3."""
+    """DSpine's architecture (names follow the reference's `dspine_config`) and the
+    inference-time ablation switches of design doc section 3. What only training reads
+    (loss weights, the teacher-replacement curriculum, the alignment switch) lives in
+    `dspine_jax.losses.LossConfig`, so a checkpoint stores the network, not its recipe."""
 
     transfer_rank: int = 512            # r (paper: 1024 at H=4096; r <= H)
     message_size: int = 256             # m
     top_k: int = 16                     # candidates per slot for the decoding head
-    ce_weight: float = 0.1              # backbone/refinement: ce_weight*CE + (1-ce_weight)*L1
-    alignment_weight: float = 0.5       # beta
-    alignment_warmup_steps: int = 150
-    replacement_layers: int = 3
-    replacement_probability: float = 0.5
-    replacement_hold_ratio: float = 1 / 6
-    replacement_end_ratio: float = 1 / 3
-    candidate_mass_threshold: float = 1e-4
     # [switch]es
     injection: bool = True              # gated adjacent injection after every layer
-    teacher_replacement: bool = True    # curriculum with the true predecessors' codes
     causal_block: bool = True           # False: DFlash's bidirectional block attention
-    alignment: bool = True              # layer-wise output-embedding supervision
     refinement_head: bool = True        # predecessor-conditioned decoding at inference
 
     def __post_init__(self):
-        for name in ("transfer_rank", "message_size", "top_k", "alignment_warmup_steps"):
+        for name in ("transfer_rank", "message_size", "top_k"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ConfigError(f"dspine.{name} must be a positive integer, "
                                   f"got {getattr(self, name)!r}")
-        for name in ("ce_weight", "replacement_probability", "replacement_hold_ratio",
-                     "replacement_end_ratio"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ConfigError(f"dspine.{name} must be in [0, 1], got {getattr(self, name)!r}")
-        if self.replacement_hold_ratio > self.replacement_end_ratio:
-            raise ConfigError("dspine.replacement_hold_ratio must not exceed replacement_end_ratio")
+
+
+# Training-only fields that drafter checkpoints written before the split carried in
+# `dspine_config`; they are read past (the loss config holds them now).
+TRAINING_ONLY_FIELDS = frozenset({
+    "ce_weight", "alignment_weight", "alignment_warmup_steps", "replacement_layers",
+    "replacement_probability", "replacement_hold_ratio", "replacement_end_ratio",
+    "candidate_mass_threshold", "teacher_replacement", "alignment"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +111,11 @@ class DrafterConfig:
     @property
     def num_features(self) -> int:
         return len(self.target_layer_ids)
+
+    @property
+    def injecting(self) -> bool:
+        """DSpine with its gated adjacent injection on."""
+        return self.dspine is not None and self.dspine.injection
 
     @property
     def causal_block(self) -> bool:
@@ -209,6 +208,7 @@ class DrafterConfig:
                 rope = {}
             spine = raw.get("dspine_config")
             if spine is not None:
+                spine = {k: v for k, v in spine.items() if k not in TRAINING_ONLY_FIELDS}
                 unknown = set(spine) - {f.name for f in dataclasses.fields(DSpineConfig)}
                 if unknown:
                     raise ConfigError(f"dspine_config has unknown field(s): {sorted(unknown)}")

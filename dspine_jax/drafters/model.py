@@ -109,7 +109,7 @@ class BlockDrafter(nnx.Module):
     # ----- shared pieces ---------------------------------------------------------------------
     @property
     def injecting(self) -> bool:
-        return self.config.dspine is not None and self.config.dspine.injection
+        return self.config.injecting
 
     def fuse(self, features: jax.Array) -> jax.Array:
         """Concatenated target features [B, T, F] -> [B, T, D]."""
@@ -146,11 +146,12 @@ class BlockDrafter(nnx.Module):
         return jnp.concatenate([ctx, jnp.broadcast_to(inside, (b, n * k, n * k))], -1)
 
     def _run(self, x, positions, ctx_kv, ctx_visible, anchor_tokens, output_embedding,
-             teacher_tokens=None, replace=None) -> DraftOutput:
+             teacher_tokens=None, replace=None, replace_layers=0) -> DraftOutput:
         """The layer stack. x [B, n, K, D]; positions [B, n, K]; ctx_kv: per layer (k, v).
 
         teacher_tokens [B, n, K]: the true predecessor of each slot (training only);
-        replace [B, n] bool: blocks whose first layers take those instead of predictions."""
+        replace [B, n] bool: blocks whose first `replace_layers` layers take those instead
+        of predictions."""
         b, n, k, d = x.shape
         mask = self._mask(ctx_visible)
         flat_positions = positions.reshape(b, n * k)
@@ -163,7 +164,8 @@ class BlockDrafter(nnx.Module):
                 pre_injection = h
                 if self.injecting:
                     h, gate = self._inject(i, h, anchor_tokens, output_embedding,
-                                           teacher_tokens, replace)
+                                           teacher_tokens if i < replace_layers else None,
+                                           replace)
                     gates.append(jnp.mean(gate[:, :, 1:]))
                 features.append(self.injection.feature(i, h))
         final = self.norm(h)
@@ -176,13 +178,11 @@ class BlockDrafter(nnx.Module):
 
     def _inject(self, layer, h, anchor_tokens, output_embedding, teacher_tokens, replace):
         """Gated adjacent injection after `layer` for slots 1..K-1 of every block."""
-        spine = self.config.dspine
         phi = self.injection.feature(layer, h)                      # [B, n, K, r]
         anchor = self.code(anchor_tokens, output_embedding)[:, :, None]  # [B, n, 1, r]
         # p_1 = the anchor's code, p_i = phi(h_{i-1}) for i >= 2 (slot 0 gets no write).
         pred = jnp.concatenate([anchor, anchor, phi[:, :, 1:-1]], axis=2)
-        if teacher_tokens is not None and replace is not None and spine.teacher_replacement \
-                and layer < spine.replacement_layers:
+        if teacher_tokens is not None and replace is not None:
             pred = jnp.where(replace[:, :, None, None],
                              self.code(teacher_tokens, output_embedding), pred)
         delta, gate = self.injection.write(layer, h, phi, pred)
@@ -191,7 +191,7 @@ class BlockDrafter(nnx.Module):
 
     # ----- training ---------------------------------------------------------------------------
     def forward_train(self, tokens, features, anchors, input_embedding, output_embedding,
-                      *, replace=None) -> DraftOutput:
+                      *, replace=None, replace_layers=0) -> DraftOutput:
         """All blocks of each sequence in one pass.
 
         tokens [B, T]; features [B, T, F] target features at every position; anchors
@@ -208,7 +208,7 @@ class BlockDrafter(nnx.Module):
         return self._run(self._block_inputs(anchor_tokens, input_embedding), positions,
                          ctx_kv, ctx_visible, anchor_tokens, output_embedding,
                          teacher_tokens=predecessor_tokens(tokens, anchors, k),
-                         replace=replace)
+                         replace=replace, replace_layers=replace_layers)
 
     # ----- inference --------------------------------------------------------------------------
     def create_context(self, batch_size: int, capacity: int) -> KVCache:
