@@ -132,3 +132,51 @@ def test_cli_reports_errors_without_traceback(tmp_path):
     assert "Traceback" not in result.output
     result = CliRunner().invoke(app, ["generate", "--prompt", "hi", "--top-p", "0"])
     assert result.exit_code == 2 and "top_p must be in (0, 1]" in result.output
+
+
+# ----- GGUF files cut short ----------------------------------------------------------------
+
+def write_tiny_gguf(path):
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_token_list([f"t{i}" for i in range(50)])
+    writer.add_tensor("token_embd.weight", np.arange(50 * 8, dtype=np.float32).reshape(50, 8))
+    writer.add_tensor("output_norm.weight", np.ones(8, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path.stat().st_size
+
+
+@pytest.mark.parametrize("keep,message", [
+    (-1, "truncated: {n} of {size} bytes"),   # the last tensor's last byte missing
+    (-1000, "truncated: {n} of {size} bytes"),  # inside the first tensor's data
+    (100, "truncated: 100 of at least"),      # inside the token list: header cut short
+    (0, "truncated: 0 bytes"),
+])
+def test_truncated_gguf_names_both_sizes(tmp_path, keep, message):
+    from dspine_jax.checkpoints.gguf_file import GGUFCheckpoint
+
+    size = write_tiny_gguf(tmp_path / "full.gguf")
+    GGUFCheckpoint(tmp_path / "full.gguf")  # the whole file opens
+    data = (tmp_path / "full.gguf").read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:keep])
+    n = cut.stat().st_size
+    with pytest.raises(CheckpointError) as error:
+        GGUFCheckpoint(cut)
+    assert str(error.value).startswith(f"{cut}: ")
+    assert message.format(n=n, size=size) in str(error.value)
+
+
+@pytest.mark.slow
+def test_truncated_smollm2_gguf(smollm2_path, tmp_path):
+    cut = tmp_path / "smollm2.gguf"
+    with open(smollm2_path, "rb") as f:
+        cut.write_bytes(f.read(5_000_000))
+    with pytest.raises(CheckpointError,
+                       match=f"truncated: 5000000 of {smollm2_path.stat().st_size} bytes"):
+        load_target(cut)

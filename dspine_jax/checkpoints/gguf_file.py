@@ -6,6 +6,8 @@ Llama-family weights for its interleaved RoPE; we undo that to get HF's half-spl
 
 from __future__ import annotations
 
+import mmap
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,7 @@ class GGUFCheckpoint:
         self.path = Path(path)
         if not self.path.is_file():
             raise CheckpointError(f"{self.path}: no such GGUF file")
+        check_size(self.path)
         try:
             self.reader = gguf.GGUFReader(str(self.path))
         except Exception as e:  # the reader raises ValueError/struct.error/... on bad bytes
@@ -111,6 +114,111 @@ class GGUFCheckpoint:
                 array = _unpermute(array, config.num_key_value_heads)
             return array
         return load
+
+
+# GGUF metadata value types -> bytes per value; 8 is a string, 9 an array.
+SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+STRING, ARRAY = 8, 9
+IMPLAUSIBLE = 1 << 40  # a length past 1 TiB is a corrupt field, not a cut-short file
+
+
+class _PastEnd(Exception):
+    """The header walk needed `needed` bytes of a shorter file."""
+
+    def __init__(self, needed: int):
+        self.needed = needed
+
+
+class _HeaderWalk:
+    """Reads a GGUF header just far enough to know how long the whole file must be: the
+    gguf reader meets a cut-short file with numpy reshape/dtype errors that name no file."""
+
+    def __init__(self, buf, size: int):
+        self.buf, self.size, self.pos, self.order = buf, size, 0, "<"
+
+    def take(self, n: int) -> int:
+        if n > IMPLAUSIBLE:
+            raise ValueError(f"a field claims {n} bytes")
+        start, self.pos = self.pos, self.pos + n
+        if self.pos > self.size:
+            raise _PastEnd(self.pos)
+        return start
+
+    def unpack(self, fmt: str) -> tuple:
+        fmt = self.order + fmt
+        return struct.unpack_from(fmt, self.buf, self.take(struct.calcsize(fmt)))
+
+    def string(self) -> bytes:
+        (n,) = self.unpack("Q")
+        start = self.take(n)
+        return bytes(self.buf[start:start + n])
+
+    def skip_value(self, kind: int) -> None:
+        if kind == STRING:
+            self.string()
+        elif kind == ARRAY:
+            item, count = self.unpack("IQ")
+            if item in SCALAR_SIZES:
+                self.take(count * SCALAR_SIZES[item])
+            else:
+                for _ in range(count):
+                    self.skip_value(item)
+        elif kind in SCALAR_SIZES:
+            self.take(SCALAR_SIZES[kind])
+        else:
+            raise ValueError(f"unknown metadata type {kind}")
+
+    def required_size(self) -> int:
+        """Header, padding to the alignment, then the end of the furthest tensor."""
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        magic, version = self.unpack("4sI")
+        if magic != b"GGUF":
+            raise ValueError("not a GGUF file")
+        if version & 0xFFFF == 0:  # written on a big-endian machine
+            self.order = ">"
+        num_tensors, num_fields = self.unpack("QQ")
+        alignment = 32
+        for _ in range(num_fields):
+            key = self.string()
+            (kind,) = self.unpack("I")
+            if key == b"general.alignment" and kind == 4:
+                (alignment,) = self.unpack("I")
+            else:
+                self.skip_value(kind)
+        end = 0
+        for _ in range(num_tensors):
+            self.string()
+            (ndim,) = self.unpack("I")
+            dims = self.unpack(f"{ndim}Q")
+            kind, offset = self.unpack("IQ")
+            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+            elements = 1
+            for d in dims:
+                elements *= d
+            end = max(end, offset + elements // block * type_size)
+        data_start = -(-self.pos // max(alignment, 1)) * max(alignment, 1)
+        return data_start + end
+
+
+def check_size(path: Path) -> None:
+    """Refuse a file shorter than its own header says it is, naming both sizes. Anything
+    else odd about the header is left to the gguf reader to report."""
+    size = path.stat().st_size
+    if size == 0:
+        raise CheckpointError(f"{path}: truncated: 0 bytes (an empty file)")
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        try:
+            needed = _HeaderWalk(buf, size).required_size()
+        except _PastEnd as e:
+            raise CheckpointError(f"{path}: truncated: {size} of at least {e.needed} bytes "
+                                  "(the header alone runs past the end of the file); "
+                                  "copy or download it again") from None
+        except (ValueError, KeyError, struct.error):
+            return
+    if size < needed:
+        raise CheckpointError(f"{path}: truncated: {size} of {needed} bytes; copy or "
+                              "download it again")
 
 
 def _hf_name(name: str) -> str | None:
