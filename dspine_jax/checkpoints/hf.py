@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -74,5 +75,22 @@ def save_folder(folder: Path, config: TargetConfig, tensors: dict[str, np.ndarra
     """Write config.json and model.safetensors that transformers loads as the same model."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config.to_hf(), indent=2))
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
-              str(folder / SINGLE_FILE), metadata={"format": "pt"})
+    write_safetensors(tensors, folder / SINGLE_FILE)
+
+
+def write_safetensors(tensors: dict[str, np.ndarray], path: Path) -> None:
+    """Write through a temporary file (no half-written file is left behind), then give it
+    the permissions of any file the user creates. safetensors writes via its own temp
+    file, which comes out 0600: unreadable to the group that reads exported checkpoints."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp),
+              metadata={"format": "pt"})
+    os.chmod(tmp, 0o666 & ~_umask())
+    tmp.replace(path)
+
+
+def _umask() -> int:
+    mask = os.umask(0)  # the only way to read it is to set it; put it straight back
+    os.umask(mask)
+    return mask

@@ -18,7 +18,6 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors.numpy import save_file
 
 from dspine_jax.checkpoints import hf
 from dspine_jax.checkpoints.params import materialise
@@ -53,10 +52,7 @@ def save_drafter(drafter: BlockDrafter, folder: str | Path, *, dtype=None,
     if code_table is not None:
         tensors["transfer_codes"] = np.asarray(code_table if dtype is None
                                                else jnp.asarray(code_table).astype(dtype))
-    tmp = folder / "model.safetensors.tmp"
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp),
-              metadata={"format": "pt"})
-    tmp.replace(folder / "model.safetensors")  # never leave a half-written file behind
+    hf.write_safetensors(tensors, folder / "model.safetensors")  # atomic, not 0600
     (folder / "config.json").write_text(json.dumps(drafter.config.to_hf(), indent=2))
     return folder
 
