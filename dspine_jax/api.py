@@ -1,7 +1,7 @@
 """A small Python API for notebooks, the CLI and the server: load, generate, stream.
 
     from dspine_jax.api import Pipeline
-    pipe = Pipeline.load("smollm2-135m-instruct", drafter="path/to/drafter")
+    pipe = Pipeline.load("smollm2-135m-instruct", drafter="smollm2-135m-instruct-dspine")
     [result] = pipe.generate(["What is 2+2?"], chat=True, max_new_tokens=64)
     print(result.text, result.mean_accept_length)
     for piece in pipe.stream("Tell me a story.", chat=True):
@@ -14,13 +14,59 @@ import dataclasses
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from dspine_jax.checkpoints import LoadedTarget, load_target
-from dspine_jax.decoding import BatchDecoder
-from dspine_jax.errors import ConfigError, InputError
-from dspine_jax.registry import DEFAULT_TARGET, resolve_drafter
+from dspine_jax.checkpoints import LoadedTarget, load_target, resolve_dtype
+from dspine_jax.decoding import BatchDecoder, mean_accept_length
+from dspine_jax.errors import CheckpointError, ConfigError, InputError
+from dspine_jax.registry import BUILTIN_DRAFTERS, DEFAULT_TARGET, resolve_drafter
 from dspine_jax.sampling import validate_sampling
 
 METHODS = ("ar", "dflash", "dspine")
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodChoice:
+    """How to decode, settled before any model is loaded."""
+    method: str                 # ar, dflash or dspine
+    drafter: Path | None        # a checked drafter folder; None for AR
+
+
+def resolve_method(target: str | Path | None, drafter: str | Path | None,
+                   method: str | None) -> MethodChoice:
+    """The decoding method is whatever the drafter is: no drafter and no method is AR; a
+    drafter alone decodes with its own kind (from its config.json); a method alone uses the
+    target's built-in drafter of that kind. Reads only the drafter's config.json, so a bad
+    request fails in milliseconds instead of after the target's load."""
+    from dspine_jax.drafters.checkpoint import read_drafter_config
+
+    if method is not None and method not in METHODS:
+        raise InputError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
+    if drafter is None:
+        if method in (None, "ar"):
+            return MethodChoice("ar", None)
+        builtin = f"{target}-{method}"
+        if target is None or builtin not in BUILTIN_DRAFTERS:
+            raise InputError(f"--method {method} needs --drafter" + (
+                "" if target is None else f": target {target} has no built-in {method} "
+                f"drafter (built-in drafters: {', '.join(BUILTIN_DRAFTERS)})"))
+        drafter = builtin
+    elif method == "ar":
+        raise InputError(f"--method ar decodes without a drafter, but --drafter {drafter} was "
+                         "given; drop --drafter, or drop --method to decode with the drafter")
+    folder = resolve_drafter(str(drafter))
+    if not folder.is_dir():
+        raise CheckpointError(f"drafter {str(drafter)!r} is a file, not a checkpoint folder "
+                              "(config.json + model.safetensors)")
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(f"drafter {str(drafter)!r}: {folder} has no config.json (not a "
+                              "drafter checkpoint folder)")
+    if not any((folder / name).is_file()
+               for name in ("model.safetensors", "model.safetensors.index.json")):
+        raise CheckpointError(f"drafter {str(drafter)!r}: {folder} has no model.safetensors")
+    kind = read_drafter_config(folder).kind
+    if method is not None and method != kind:
+        raise ConfigError(f"--method {method} but the drafter at {drafter} is a {kind} "
+                          f"drafter; drop --method or pass --method {kind}")
+    return MethodChoice(kind, folder)
 
 
 @dataclasses.dataclass
@@ -46,9 +92,7 @@ class Result:
 
     @property
     def mean_accept_length(self) -> float:
-        """Tokens emitted per target verify pass, bonus included (1.0 for AR)."""
-        passes = self.accept_lengths
-        return sum(passes) / len(passes) if passes else 1.0
+        return mean_accept_length(self.accept_lengths)  # 0.0 with no pass: see there
 
     def to_json(self, method: str) -> dict:
         return {"text": self.text, "tokens": self.tokens, "num_tokens": self.num_tokens,
@@ -69,36 +113,36 @@ class Pipeline:
     def load(cls, target: str | Path = DEFAULT_TARGET, drafter: str | Path | None = None, *,
              method: str | None = None, dtype: str = "auto",
              steps_per_call: int | None = None) -> "Pipeline":
-        loaded = load_target(target, dtype=dtype)
-        if drafter is None and method not in (None, "ar") and isinstance(target, str):
-            drafter = f"{target}-{method}"  # the built-in drafter for the target
-        return cls.from_loaded(loaded, drafter, method=method, steps_per_call=steps_per_call)
+        """`method` defaults to whatever `drafter` is (see `resolve_method`). Every argument
+        is checked before the target loads, so a typo costs no load time."""
+        resolve_dtype(dtype)
+        choice = resolve_method(target, drafter, method)
+        return cls.from_choice(load_target(target, dtype=dtype), choice, steps_per_call)
 
     @classmethod
     def from_loaded(cls, loaded: LoadedTarget, drafter: str | Path | None = None, *,
                     method: str | None = None, steps_per_call: int | None = None) -> "Pipeline":
         """A pipeline over an already loaded target (several drafters share one target)."""
+        # A loaded target has a path, not a name: it has no built-in drafter to default to.
+        return cls.from_choice(loaded, resolve_method(None, drafter, method), steps_per_call)
+
+    @classmethod
+    def from_choice(cls, loaded: LoadedTarget, choice: MethodChoice,
+                    steps_per_call: int | None = None) -> "Pipeline":
+        """A pipeline for a `resolve_method` result (checked before the target loaded)."""
         from dspine_jax.drafters.checkpoint import load_drafter
         from dspine_jax.engine import SpeculativeEngine
         from dspine_jax.generate import AutoregressiveGenerator
 
-        method = method or ("ar" if drafter is None else None)
-        eos = loaded.tokenizer.eos_token_ids
-        if method == "ar":
+        eos = loaded.tokenizer.eos_token_ids if loaded.tokenizer is not None else ()
+        if choice.drafter is None:
             decoder = AutoregressiveGenerator(loaded.model, eos_token_ids=eos,
                                               steps_per_call=steps_per_call or 8)
             return cls(loaded, decoder, "ar")
-        if method is not None and method not in METHODS:
-            raise InputError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
-        if drafter is None:
-            raise InputError(f"--method {method} needs --drafter")
-        model = load_drafter(resolve_drafter(str(drafter)), dtype=loaded.model.dtype)
-        if method is not None and model.config.kind != method:
-            raise ConfigError(f"--method {method} but the drafter at {drafter} is a "
-                              f"{model.config.kind} drafter")
+        model = load_drafter(choice.drafter, dtype=loaded.model.dtype)
         decoder = SpeculativeEngine(loaded.model, model, eos_token_ids=eos,
                                     steps_per_call=steps_per_call or 4)
-        return cls(loaded, decoder, model.config.kind)
+        return cls(loaded, decoder, choice.method)
 
     def encode(self, prompt: Prompt | str) -> list[int]:
         prompt = prompt if isinstance(prompt, Prompt) else Prompt(prompt)

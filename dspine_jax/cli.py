@@ -14,7 +14,12 @@ import jax.numpy as jnp
 from dspine_jax.errors import ConfigError, DSpineError, InputError
 from dspine_jax.registry import DEFAULT_TARGET
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+# Click's plain help, not typer's rich panels: those print `<bool>` after every switch (so
+# users type `--chat true`, which fails) and cut long defaults with "..." at 80 columns.
+# Click wraps instead of cutting, and uses up to 120 columns where the terminal has them.
+HELP_SETTINGS = {"max_content_width": 120}
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                  context_settings=HELP_SETTINGS,
                   help="DSpine-JAX: speculative decoding with DSpine and DFlash drafters.")
 
 
@@ -23,24 +28,32 @@ def _fail(error: Exception) -> None:
     raise typer.Exit(code=2)
 
 
-@app.command()
+@app.command(short_help="Generate text: AR, or speculative with a drafter.")
 def generate(
-    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", metavar="TEXT",
+                                         help="Prompt text."),
     prompts_file: Optional[Path] = typer.Option(
-        None, "--prompts-file", help='JSONL, one {"prompt": ..., "chat": true|false} per line.'),
-    target: str = typer.Option(DEFAULT_TARGET, help="Built-in name, HF folder or .gguf file."),
-    method: str = typer.Option("ar", help="ar, dflash or dspine."),
+        None, "--prompts-file", metavar="FILE.jsonl",
+        help='JSONL, one {"prompt": ..., "chat": true|false} per line.'),
+    target: str = typer.Option(DEFAULT_TARGET, metavar="NAME|PATH",
+                               help="Built-in name, HF folder or .gguf file."),
+    method: Optional[str] = typer.Option(
+        None, metavar="ar|dflash|dspine",
+        help="Default: the drafter's kind with --drafter, else ar. Without --drafter, "
+             "dflash or dspine use the target's built-in drafter of that kind."),
     drafter: Optional[str] = typer.Option(
-        None, help="Drafter name or folder (default: the built-in one for the target)."),
+        None, metavar="NAME|PATH", help="Built-in drafter name or checkpoint folder; "
+        "decodes speculatively with it."),
     chat: bool = typer.Option(False, "--chat", help="Apply the checkpoint's chat template."),
-    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", min=1),
-    temperature: float = typer.Option(0.0, help="0 is greedy."),
-    top_p: float = typer.Option(1.0, "--top-p"),
-    top_k: int = typer.Option(0, "--top-k", help="0 disables."),
-    seed: int = typer.Option(0),
-    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Run to max-new-tokens."),
-    batch_size: int = typer.Option(8, "--batch-size", min=1, help="Prompts decoded together."),
-    dtype: str = typer.Option("auto", help="auto, bf16 or f32."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", min=1, metavar="N"),
+    temperature: float = typer.Option(0.0, metavar="T", help="0 is greedy."),
+    top_p: float = typer.Option(1.0, "--top-p", metavar="P"),
+    top_k: int = typer.Option(0, "--top-k", metavar="K", help="0 disables."),
+    seed: int = typer.Option(0, metavar="S"),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Run to --max-new-tokens."),
+    batch_size: int = typer.Option(8, "--batch-size", min=1, metavar="B",
+                                   help="Prompts decoded together."),
+    dtype: str = typer.Option("auto", metavar="auto|bf16|f32"),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per prompt on stdout."),
 ):
     """Generate text: autoregressive, or speculative with a DFlash or DSpine drafter."""
@@ -48,17 +61,27 @@ def generate(
         from dspine_jax.api import Pipeline, Prompt
         from dspine_jax.sampling import validate_sampling
 
+        # Everything checkable is checked before Pipeline.load: loading takes seconds.
         validate_sampling(temperature, top_p, top_k)
         if (prompt is None) == (prompts_file is None):
             raise InputError("give exactly one of --prompt and --prompts-file")
+        if prompt is not None and not prompt.strip():
+            raise InputError("--prompt is empty; give the text to continue (or, with --chat, "
+                             "the message to answer)")
         prompts = ([Prompt(prompt, chat)] if prompt is not None
                    else read_prompts_file(prompts_file, chat))
         pipe = Pipeline.load(target, drafter, method=method, dtype=dtype)
         options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                        top_k=top_k, seed=seed, ignore_eos=ignore_eos)
         if as_json or len(prompts) > 1:
-            for result in pipe.generate(prompts, batch_size=batch_size, **options):
+            results = pipe.generate(prompts, batch_size=batch_size, **options)
+            for result in results:
                 print(json.dumps(result.to_json(pipe.method)) if as_json else result.text)
+            cut = [i for i, r in enumerate(results, 1) if r.finish_reason == "length"]
+            if cut and not as_json:  # JSON carries finish_reason itself
+                typer.echo(f"[{len(cut)} of {len(results)} prompts stopped at "
+                           f"--max-new-tokens {max_new_tokens}: prompts "
+                           f"{', '.join(map(str, cut))}]", err=True)
             return
         stream = pipe.stream(prompts[0], **options)
         while True:
@@ -71,43 +94,63 @@ def generate(
     except DSpineError as e:
         _fail(e)
     print()
+    typer.echo(summary_line(pipe.method, result, max_new_tokens), err=True)
+
+
+def summary_line(method: str, result, max_new_tokens: int) -> str:
+    """The stderr line after plain-text output: speed, acceptance, and whether the text
+    ends because the budget ran out (plain text shows no finish_reason otherwise)."""
     rate = result.num_tokens / max(result.seconds, 1e-9)
     accept = (f", mean acceptance length {result.mean_accept_length:.2f}"
-              if pipe.method != "ar" else "")
-    typer.echo(f"[{pipe.method}: {result.num_tokens} tokens in {result.seconds:.2f}s, "
-               f"{rate:.1f} tok/s{accept}, compile {result.compile_seconds:.1f}s]", err=True)
+              if method != "ar" else "")
+    stopped = (f"; stopped at --max-new-tokens {max_new_tokens}"
+               if result.finish_reason == "length" else "")
+    return (f"[{method}: {result.num_tokens} tokens in {result.seconds:.2f}s, "
+            f"{rate:.1f} tok/s{accept}, compile {result.compile_seconds:.1f}s{stopped}]")
 
 
 def read_prompts_file(path: Path, default_chat: bool):
     from dspine_jax.api import Prompt
     from dspine_jax.data.prompts import jsonl_prompts
 
-    return [Prompt(p["prompt"], p["chat"]) for p in jsonl_prompts(path, default_chat=default_chat)]
+    records = jsonl_prompts(path, default_chat=default_chat)
+    empty = [p["id"] for p in records if not p["prompt"].strip()]
+    if empty:
+        raise InputError(f"{path}: empty prompt (id or line {', '.join(empty[:5])})")
+    return [Prompt(p["prompt"], p["chat"]) for p in records]
 
 
-@app.command("eval")
+@app.command("eval", short_help="Acceptance length, tokens/s and speedup over AR.")
 def evaluate_command(
-    out: Path = typer.Option(..., "--out", help="Folder for results.json/.md and the chart."),
-    target: str = typer.Option(DEFAULT_TARGET, help="Built-in name, HF folder or .gguf file."),
-    drafter: list[str] = typer.Option([], "--drafter", help="Drafter name or folder "
-                                      "(repeatable); AR always runs as the baseline."),
-    benchmarks: str = typer.Option("math500,aime24,aime25,humaneval,mtbench,sharegpt,cnmo",
-                                   help="Comma-separated benchmark names."),
-    temperature: float = typer.Option(0.0),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1),
-    limit: Optional[int] = typer.Option(None, min=1, help="First K prompts per benchmark."),
-    batch_size: int = typer.Option(8, "--batch-size", min=1),
+    out: Path = typer.Option(..., "--out", metavar="DIR",
+                             help="New folder for results.json, results.md and "
+                                  "acceptance.png. A folder that already holds results is "
+                                  "refused: pick a new one or delete the old results."),
+    target: str = typer.Option(DEFAULT_TARGET, metavar="NAME|PATH",
+                               help="Built-in name, HF folder or .gguf file."),
+    drafter: list[str] = typer.Option([], "--drafter", metavar="NAME|PATH",
+                                      help="Drafter name or folder (repeatable); each decodes "
+                                      "with its own kind. AR always runs as the baseline."),
+    benchmarks: str = typer.Option(
+        "math500,aime24,aime25,humaneval,mtbench,sharegpt,cnmo", metavar="NAMES",
+        show_default=False,  # spelled out below: a 54-character word wraps mid-name
+        help="Comma-separated benchmark names; default: all of math500, aime24, aime25, "
+             "humaneval, mtbench, sharegpt, cnmo."),
+    temperature: float = typer.Option(0.0, metavar="T"),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1, metavar="N"),
+    limit: Optional[int] = typer.Option(None, min=1, metavar="K",
+                                        help="First K prompts per benchmark."),
+    batch_size: int = typer.Option(8, "--batch-size", min=1, metavar="B"),
     max_prompt_tokens: Optional[int] = typer.Option(
-        None, "--max-prompt-tokens", min=1,
+        None, "--max-prompt-tokens", min=1, metavar="N",
         help="Skip (and count) longer prompts; default: whatever fits the context."),
-    seed: int = typer.Option(0),
-    dtype: str = typer.Option("auto"),
+    seed: int = typer.Option(0, metavar="S"),
+    dtype: str = typer.Option("auto", metavar="auto|bf16|f32"),
 ):
     """Acceptance length, tokens/s and speedup over AR on the benchmark suite."""
     try:
         from dspine_jax.evaluation.benchmarks import BENCHMARKS
         from dspine_jax.evaluation.run import evaluate
-        from dspine_jax.registry import resolve_drafter
         from dspine_jax.sampling import validate_sampling
 
         validate_sampling(temperature, 1.0, 0)
@@ -115,10 +158,9 @@ def evaluate_command(
         unknown = [b for b in names if b not in BENCHMARKS]
         if unknown:
             raise InputError(f"unknown benchmark(s) {unknown}; known: {', '.join(BENCHMARKS)}")
-        evaluate(target, [str(resolve_drafter(d)) for d in drafter], names, out,
-                 temperature=temperature, max_new_tokens=max_new_tokens, limit=limit,
-                 batch_size=batch_size, seed=seed, dtype=dtype,
-                 max_prompt_tokens=max_prompt_tokens)
+        evaluate(target, drafter, names, out, temperature=temperature,
+                 max_new_tokens=max_new_tokens, limit=limit, batch_size=batch_size, seed=seed,
+                 dtype=dtype, max_prompt_tokens=max_prompt_tokens)
     except DSpineError as e:
         _fail(e)
     typer.echo((out / "results.md").read_text())
@@ -137,7 +179,7 @@ def info(target: str = typer.Option(DEFAULT_TARGET, help="Built-in name or path.
                       **loaded.config.to_hf()}, indent=2))
 
 
-@app.command("init-drafter")
+@app.command("init-drafter", short_help="Write an untrained drafter for a target.")
 def init_drafter(
     out: str = typer.Option(..., "--out", help="Folder to write (must not exist or be empty)."),
     target: str = typer.Option(DEFAULT_TARGET, help="Built-in name, HF folder or .gguf file."),
@@ -167,7 +209,7 @@ def init_drafter(
                f"target layers {list(config.target_layer_ids)}, mask token {mask}) to {dest}")
 
 
-@app.command()
+@app.command(short_help="Export a drafter in the DFlash reference layout.")
 def export(
     drafter: str = typer.Option(..., help="Built-in drafter name or checkpoint folder."),
     out: str = typer.Option(..., "--out", help="Folder to write (must not exist or be empty)."),
@@ -201,11 +243,12 @@ def export(
     typer.echo(f"exported {model.config.kind} drafter to {dest} ({format}, {dtype})")
 
 
-data_app = typer.Typer(no_args_is_help=True, help="Training data jobs.")
+data_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
+                       context_settings=HELP_SETTINGS, help="Training data jobs.")
 app.add_typer(data_app, name="data")
 
 
-@data_app.command("regenerate")
+@data_app.command("regenerate", short_help="The target's own responses: training data.")
 def data_regenerate(
     out: Path = typer.Option(..., "--out", help="Dataset folder (resumed if it exists)."),
     target: str = typer.Option(DEFAULT_TARGET, help="Built-in name, HF folder or .gguf file."),
@@ -241,7 +284,7 @@ def data_regenerate(
                f"{max_prompt_tokens} tokens")
 
 
-@data_app.command("features")
+@data_app.command("features", short_help="Cache the target's features for a config.")
 def data_features(
     config: Optional[Path] = typer.Option(None, "--config", help="The training config."),
     overrides: list[str] = typer.Option([], "--set", help="section.key=value (repeatable)."),
@@ -258,7 +301,7 @@ def data_features(
     typer.echo(f"cached target features in {folder}")
 
 
-@app.command()
+@app.command(short_help="Train a DFlash or DSpine drafter (resumes).")
 def train(
     config: Optional[Path] = typer.Option(None, "--config", help="TOML config file."),
     overrides: list[str] = typer.Option([], "--set", help="section.key=value (repeatable)."),

@@ -40,6 +40,15 @@ def padded_batch(prompts: list, size: int) -> list:
     return list(prompts) + [prompts[-1]] * (size - len(prompts))
 
 
+def mean_accept_length(accept_lengths: Sequence[int]) -> float:
+    """Tokens emitted per target verify pass, bonus included (1.0 for AR).
+
+    With no pass at all (prefill's token was the only one: max_new_tokens=1, or EOS first)
+    the ratio is 0/0; we report 0.0, not 1.0, because no pass accepted anything and 1.0
+    would pass for a real AR-level measurement when averaged into a table."""
+    return sum(accept_lengths) / len(accept_lengths) if len(accept_lengths) else 0.0
+
+
 @struct.dataclass
 class DecodeState:
     caches: tuple             # the decoder's caches (target KV, drafter context, ...)
@@ -62,7 +71,7 @@ class Generation:
 
     @property
     def mean_accept_length(self) -> float:
-        return float(np.mean(self.accept_lengths)) if self.accept_lengths else 0.0
+        return mean_accept_length(self.accept_lengths)
 
 
 @dataclasses.dataclass

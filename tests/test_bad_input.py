@@ -134,6 +134,120 @@ def test_cli_reports_errors_without_traceback(tmp_path):
     assert result.exit_code == 2 and "top_p must be in (0, 1]" in result.output
 
 
+# ----- requests that fail before the target loads --------------------------------------
+
+@pytest.fixture
+def loads_nothing(monkeypatch):
+    """Make any target load an error: a request that reaches it was not checked first."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the target was loaded before the request was checked")
+
+    monkeypatch.setattr("dspine_jax.api.load_target", refuse)
+    monkeypatch.setattr("dspine_jax.evaluation.run.load_target", refuse)
+
+
+def weightless_drafter(tmp_path):
+    folder = tmp_path / "weightless"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    return folder
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--method", "ar", "--drafter", "/random/dir"], "--method ar decodes without a drafter"),
+    (["--drafter", "/random/dir"], "'/random/dir' is neither a built-in name"),
+    (["--drafter", "{tmp}"], "has no config.json"),
+    (["--drafter", "{weightless}"], "has no model.safetensors"),
+    (["--method", "beam"], "method must be one of ar, dflash, dspine; got 'beam'"),
+    (["--method", "dspine", "--drafter", "smollm2-135m-instruct-dflash"],
+     "--method dspine but the drafter at smollm2-135m-instruct-dflash is a dflash drafter"),
+    (["--target", "{tmp}", "--method", "dspine"], "--method dspine needs --drafter"),
+    (["--prompt", ""], "--prompt is empty"),
+    (["--prompt", " \n "], "--prompt is empty"),
+    (["--prompts-file", "{tmp}/missing.jsonl"], "missing.jsonl: no such prompts file"),
+    (["--prompts-file", "{empty_prompt}"], "p.jsonl: empty prompt (id or line 2)"),
+    (["--temperature", "-1"], "temperature must be a finite number >= 0"),
+    (["--top-p", "1.5"], "top_p must be in (0, 1]"),
+    (["--dtype", "f16"], "dtype must be one of auto"),
+])
+def test_generate_checks_before_loading(loads_nothing, tmp_path, args, message):
+    from typer.testing import CliRunner
+
+    from dspine_jax.cli import app
+
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n{"prompt": ""}\n')
+    fill = {"tmp": str(tmp_path), "weightless": str(weightless_drafter(tmp_path)),
+            "empty_prompt": str(tmp_path / "p.jsonl")}
+    args = [a.format(**fill) for a in args]
+    if "--prompt" not in args and "--prompts-file" not in args:
+        args += ["--prompt", "hi"]
+    result = CliRunner().invoke(app, ["generate", *args])
+    assert result.exit_code == 2, result.output  # 1 would be the loader's AssertionError
+    assert "error: " in result.output and message in result.output
+    assert "Traceback" not in result.output
+
+
+def test_pipeline_load_checks_before_loading(loads_nothing):
+    from dspine_jax.api import Pipeline
+
+    with pytest.raises(InputError, match="--method ar decodes without a drafter"):
+        Pipeline.load(drafter="smollm2-135m-instruct-dspine", method="ar")
+    with pytest.raises(ConfigError, match="is a dspine drafter"):
+        Pipeline.load(drafter="smollm2-135m-instruct-dspine", method="dflash")
+    with pytest.raises(CheckpointError, match="neither a built-in name"):
+        Pipeline.load(drafter="/random/dir")
+
+
+def test_method_is_whatever_the_drafter_is():
+    from dspine_jax.api import resolve_method
+    from dspine_jax.registry import resolve_drafter
+
+    target = "smollm2-135m-instruct"
+    assert resolve_method(target, None, None).method == "ar"
+    assert resolve_method(target, None, "ar").drafter is None
+    for kind in ("dflash", "dspine"):
+        builtin = resolve_drafter(f"{target}-{kind}")
+        assert resolve_method(target, None, kind).drafter == builtin  # built-in by method
+        assert resolve_method(target, f"{target}-{kind}", None).method == kind  # by drafter
+        assert resolve_method(None, builtin, kind).method == kind
+    with pytest.raises(InputError, match="needs --drafter"):
+        resolve_method(None, None, "dspine")  # a loaded target has no built-in drafter
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--drafter", "/random/dir"], "'/random/dir' is neither a built-in name"),
+    (["--drafter", "{weightless}"], "has no model.safetensors"),
+    (["--temperature", "-1"], "temperature must be a finite number >= 0"),
+    (["--dtype", "f16"], "dtype must be one of auto"),
+])
+def test_eval_checks_before_loading(loads_nothing, tmp_path, args, message):
+    from typer.testing import CliRunner
+
+    from dspine_jax.cli import app
+
+    weightless = weightless_drafter(tmp_path)
+    args = [a.format(weightless=weightless) for a in args]
+    result = CliRunner().invoke(app, ["eval", "--benchmarks", "mtbench", "--out",
+                                      str(tmp_path / "eval"), *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert not (tmp_path / "eval").exists()  # nothing made for a refused request
+
+
+def test_eval_refuses_a_folder_with_results(loads_nothing, tmp_path):
+    from typer.testing import CliRunner
+
+    from dspine_jax.cli import app
+
+    (tmp_path / "results.json").write_text('{"earlier": "run"}')
+    result = CliRunner().invoke(app, ["eval", "--benchmarks", "mtbench", "--out",
+                                      str(tmp_path)])
+    assert result.exit_code == 2
+    assert "already holds results of an earlier run (results.json)" in result.output
+    assert "pass a new folder" in result.output
+    assert (tmp_path / "results.json").read_text() == '{"earlier": "run"}'
+
+
 # ----- GGUF files cut short ----------------------------------------------------------------
 
 def write_tiny_gguf(path):

@@ -54,6 +54,14 @@ def test_eval_reports_every_method(tiny_llama_dir, tmp_path):
     assert "| mtbench |" in (tmp_path / "eval" / "results.md").read_text()
     assert (tmp_path / "eval" / "acceptance.png").stat().st_size > 10_000
 
+    # A second run into the same folder is refused and leaves the first run's results.
+    before = (tmp_path / "eval" / "results.json").read_bytes()
+    again = runner.invoke(app, ["eval", "--target", str(tiny_llama_dir), "--benchmarks",
+                                "mtbench", "--limit", "1", "--out", str(tmp_path / "eval")])
+    assert again.exit_code == 2
+    assert "already holds results of an earlier run" in again.output
+    assert (tmp_path / "eval" / "results.json").read_bytes() == before
+
 
 def test_drafter_columns_are_unambiguous():
     from dspine_jax.evaluation.run import drafter_labels

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 
 import pytest
 from typer.testing import CliRunner
@@ -63,7 +65,49 @@ def test_cli_streams_text(tiny_llama_dir):
                                       "hello", "-n", "5", "--ignore-eos", "--temperature",
                                       "0.8", "--top-k", "20", "--seed", "3"])
     assert result.exit_code == 0, result.output
-    assert "5 tokens in" in result.output
+    assert "5 tokens in" in result.stderr
+    # Plain text shows no finish_reason: the summary says the budget cut the text.
+    assert "stopped at --max-new-tokens 5]" in result.stderr
+
+
+def test_summary_line_says_why_generation_stopped():
+    from dspine_jax.api import Result
+    from dspine_jax.cli import summary_line
+
+    result = Result(text="x", tokens=[1, 2, 3], prompt_tokens=2, finish_reason="stop",
+                    accept_lengths=[2], seconds=1.0, compile_seconds=0.0, batch_size=1)
+    assert "stopped" not in summary_line("dspine", result, 3)
+    assert "mean acceptance length 2.00" in summary_line("dspine", result, 3)
+    cut = dataclasses.replace(result, finish_reason="length")
+    assert summary_line("ar", cut, 3).endswith("; stopped at --max-new-tokens 3]")
+
+
+def test_cli_plain_text_prompts_file_names_prompts_cut_short(tiny_llama_dir, tmp_path):
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hello"}\n{"prompt": "the quick"}\n')
+    result = CliRunner().invoke(app, ["generate", "--target", str(tiny_llama_dir),
+                                      "--prompts-file", str(tmp_path / "p.jsonl"), "-n", "3",
+                                      "--ignore-eos"])
+    assert result.exit_code == 0, result.output
+    assert "[2 of 2 prompts stopped at --max-new-tokens 3: prompts 1, 2]" in result.stderr
+
+
+def test_mean_accept_length_has_one_definition(tiny_llama_dir):
+    """A generation with no verify pass (max_new_tokens=1: prefill's token only) reports the
+    same value through the decoder, the API and `--json` (it was 0.0 in one, 1.0 in the
+    other), and a pass-by-pass mean otherwise."""
+    from dspine_jax.api import Pipeline
+    from dspine_jax.decoding import mean_accept_length
+
+    pipe = Pipeline.load(tiny_llama_dir)
+    ids = pipe.encode("hello")
+    [g] = pipe.decoder.generate([ids], max_new_tokens=1).generations
+    [r] = pipe.generate(["hello"], max_new_tokens=1)
+    assert g.accept_lengths == r.accept_lengths == []
+    assert g.mean_accept_length == r.mean_accept_length == 0.0
+    assert r.to_json("ar")["mean_accept_length"] == 0.0
+    [r] = pipe.generate(["hello"], max_new_tokens=4, ignore_eos=True)
+    assert r.accept_lengths == [1, 1, 1] and r.mean_accept_length == 1.0  # AR: one per pass
+    assert mean_accept_length([1, 3, 2]) == 2.0 and mean_accept_length([]) == 0.0
 
 
 @pytest.fixture(scope="module")
@@ -77,16 +121,17 @@ def tiny_drafters(tiny_llama_dir, tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dspine"])
-def test_cli_speculative_prompts_file_equals_ar(tiny_llama_dir, tiny_drafters, tmp_path, kind):
+@pytest.mark.parametrize("kind,method", [("dflash", ["--method", "dflash"]),
+                                         ("dspine", [])])  # no --method: the drafter's kind
+def test_cli_speculative_prompts_file_equals_ar(tiny_llama_dir, tiny_drafters, tmp_path, kind,
+                                                method):
     lines = ['{"prompt": "hello world", "chat": true}', '{"prompt": "the quick brown fox"}',
              '', '{"prompt": "def f(x):", "chat": false}']
     (tmp_path / "p.jsonl").write_text("\n".join(lines))
     common = ["generate", "--target", str(tiny_llama_dir), "--prompts-file",
               str(tmp_path / "p.jsonl"), "-n", "9", "--json", "--ignore-eos", "--batch-size", "2"]
     ar = CliRunner().invoke(app, common)
-    spec = CliRunner().invoke(app, common + ["--method", kind, "--drafter",
-                                             str(tiny_drafters / kind)])
+    spec = CliRunner().invoke(app, common + method + ["--drafter", str(tiny_drafters / kind)])
     assert ar.exit_code == 0 and spec.exit_code == 0, spec.output
     ar_rows = [json.loads(x) for x in ar.stdout.strip().splitlines()]
     spec_rows = [json.loads(x) for x in spec.stdout.strip().splitlines()]
@@ -117,3 +162,26 @@ def test_cli_method_and_drafter_must_match(tiny_llama_dir, tiny_drafters):
     result = CliRunner().invoke(app, ["generate", "--target", str(tiny_llama_dir), "-p", "hi",
                                       "--method", "beam"])
     assert result.exit_code == 2 and "method must be one of ar, dflash, dspine" in result.output
+
+
+def test_cli_method_ar_with_a_drafter_is_an_error(tiny_llama_dir, tiny_drafters):
+    result = CliRunner().invoke(app, ["generate", "--target", str(tiny_llama_dir), "-p", "hi",
+                                      "--method", "ar", "--drafter",
+                                      str(tiny_drafters / "dspine")])
+    assert result.exit_code == 2 and "--method ar decodes without a drafter" in result.output
+
+
+def test_exported_files_get_normal_permissions(tiny_llama_dir, tiny_drafters, tmp_path):
+    """safetensors writes through a 0600 temp file; an export must be readable by others."""
+    old = os.umask(0o022)
+    try:
+        result = CliRunner().invoke(app, ["export", "--drafter", str(tiny_drafters / "dspine"),
+                                          "--target", str(tiny_llama_dir), "--out",
+                                          str(tmp_path / "export")])
+    finally:
+        os.umask(old)
+    assert result.exit_code == 0, result.output
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "export" / name).stat().st_mode & 0o777 == 0o644, name
+    assert sorted(p.name for p in (tmp_path / "export").iterdir()) == \
+        ["config.json", "model.safetensors"]  # no temporary file left behind

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from dspine_jax.api import Pipeline, Prompt
-from dspine_jax.checkpoints import load_target
-from dspine_jax.decoding import padded_batch
+from dspine_jax.api import Pipeline, Prompt, resolve_method
+from dspine_jax.checkpoints import load_target, resolve_dtype
+from dspine_jax.decoding import mean_accept_length, padded_batch
 from dspine_jax.errors import InputError
 from dspine_jax.evaluation.benchmarks import load_benchmark
 
@@ -27,7 +27,8 @@ def run_method(pipe: Pipeline, prompts: list[dict], *, batch_size: int, room: in
 
     Every batch has exactly `batch_size` rows (a short last batch is padded with copies
     of its last prompt, left out of the counts), so one compiled shape serves all."""
-    tokens = passes = after_prefill = 0
+    tokens = 0
+    accept_lengths: list[int] = []
     seconds = compile_seconds = 0.0
     encoded = [pipe.encode(Prompt(p["prompt"], p["chat"])) for p in prompts]
     fitting = [ids for ids in encoded if len(ids) <= room]  # the rest are counted, not cut
@@ -44,12 +45,11 @@ def run_method(pipe: Pipeline, prompts: list[dict], *, batch_size: int, room: in
         compile_seconds += batch.compile_seconds
         for g in batch.generations[:len(chunk)]:
             tokens += len(g.tokens)
-            passes += len(g.accept_lengths)
-            after_prefill += sum(g.accept_lengths)
+            accept_lengths += g.accept_lengths
     return {"prompts": len(fitting), "skipped_too_long": len(prompts) - len(fitting),
             "tokens": tokens, "seconds": seconds, "compile_seconds": compile_seconds,
             "tokens_per_second": tokens / max(seconds, 1e-9),
-            "accept_length": after_prefill / passes if passes else 1.0}
+            "accept_length": mean_accept_length(accept_lengths)}  # pooled over prompts
 
 
 def drafter_labels(methods: list[str], paths: list[str]) -> list[str]:
@@ -74,11 +74,18 @@ def evaluate(target: str, drafters: list[str], benchmarks: list[str], out: Path,
              temperature: float = 0.0, max_new_tokens: int = 256, limit: int | None = None,
              batch_size: int = 8, seed: int = 0, dtype: str = "auto",
              max_prompt_tokens: int | None = None) -> dict:
+    # Every check before the target loads (seconds to minutes): the output folder, the
+    # drafters (each decodes with its own kind), the dtype and the benchmark prompts.
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    check_out_folder(out)
+    choices = [resolve_method(target, d, None) for d in drafters]
+    drafters = [str(c.drafter) for c in choices]
+    resolve_dtype(dtype)
+    suites = {name: load_benchmark(name)[:limit] for name in benchmarks}
     loaded = load_target(target, dtype=dtype)
+    out.mkdir(parents=True, exist_ok=True)
     pipes = {"ar": Pipeline.from_loaded(loaded)}
-    drafter_pipes = [Pipeline.from_loaded(loaded, path) for path in drafters]
+    drafter_pipes = [Pipeline.from_choice(loaded, choice) for choice in choices]
     for label, pipe in zip(drafter_labels([p.method for p in drafter_pipes], drafters),
                            drafter_pipes):
         pipes[label] = pipe
@@ -89,8 +96,8 @@ def evaluate(target: str, drafters: list[str], benchmarks: list[str], out: Path,
         room = min(room, max_prompt_tokens)
     table: dict[str, dict[str, dict]] = {}
     for name in tqdm(benchmarks, desc="benchmarks"):
-        prompts = load_benchmark(name)[:limit]
-        row = {label: run_method(pipe, prompts, batch_size=batch_size, room=room, **options)
+        row = {label: run_method(pipe, suites[name], batch_size=batch_size, room=room,
+                                 **options)
                for label, pipe in pipes.items()}
         for result in row.values():
             result["speedup"] = result["tokens_per_second"] / row["ar"]["tokens_per_second"]
@@ -106,6 +113,21 @@ def evaluate(target: str, drafters: list[str], benchmarks: list[str], out: Path,
     (out / "results.md").write_text(markdown(report))
     plot(report, out / "acceptance.png")
     return report
+
+
+OUTPUTS = ("results.json", "results.md", "acceptance.png")
+
+
+def check_out_folder(out: Path) -> None:
+    """Refuse a folder that holds an earlier run's results: a second run into it would
+    replace them without a trace."""
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} is a file, not a folder")
+    earlier = [name for name in OUTPUTS if (out / name).exists()]
+    if earlier:
+        raise InputError(f"--out {out} already holds results of an earlier run "
+                         f"({', '.join(earlier)}); pass a new folder, or delete those files "
+                         "to run again in place")
 
 
 def markdown(report: dict) -> str:

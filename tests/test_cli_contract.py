@@ -1,0 +1,130 @@
+"""The README's promises about the `dspine` command and the Python API hold.
+
+The command synopsis names only flags the CLI has; every command is in the synopsis; the
+README's Python snippets run as printed; help shows switches as switches and never cuts
+a default at 80 columns."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dspine_jax.cli import app
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def fenced_blocks(language: str) -> list[str]:
+    return re.findall(rf"^```{language}\n(.*?)^```", README.read_text(), re.S | re.M)
+
+
+def synopsis() -> list[str]:
+    """Each `dspine ...` line of the README's bash blocks, its indented continuation lines
+    joined on (they list more flags of the same command)."""
+    commands = []
+    for block in fenced_blocks("bash"):
+        continuing = False
+        for line in block.splitlines():
+            if line.startswith("dspine "):
+                commands.append(line)
+                continuing = True
+            elif continuing and line.startswith(" ") and line.strip():
+                commands[-1] += " " + line.strip()
+            else:
+                continuing = False
+    return commands
+
+
+def subcommand(line: str) -> list[str]:
+    words = []
+    for word in line.split()[1:]:
+        if word.startswith(("-", "[")):
+            break
+        words.append(word)
+    return words
+
+
+def help_text(words: list[str], columns: int = 80) -> str:
+    result = CliRunner().invoke(app, [*words, "--help"], env={"COLUMNS": str(columns)})
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+SYNOPSIS = synopsis()
+
+
+def test_synopsis_was_found():
+    # guards the parametrized test below against passing vacuously on a parse slip
+    assert len(SYNOPSIS) >= 8 and {"generate", "eval"} <= {subcommand(s)[0] for s in SYNOPSIS}
+
+
+@pytest.mark.parametrize("line", SYNOPSIS, ids=lambda line: " ".join(subcommand(line)))
+def test_synopsis_flags_exist(line):
+    text = help_text(subcommand(line))
+    flags = sorted(set(re.findall(r"--[a-z][a-z0-9-]*", line)))
+    missing = [f for f in flags if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", text)]
+    assert not missing, f"README synopsis names {missing}, which `dspine " \
+                        f"{' '.join(subcommand(line))} --help` does not list"
+
+
+def test_every_command_is_in_the_synopsis():
+    import typer.main
+
+    documented = {" ".join(subcommand(line)) for line in SYNOPSIS}
+    group = typer.main.get_command(app)
+    commands = set()
+    for name, command in group.commands.items():
+        subs = getattr(command, "commands", None)
+        commands |= {f"{name} {sub}" for sub in subs} if subs else {name}
+    assert commands - documented == set()
+
+
+def test_switches_are_shown_as_switches():
+    """Typer's rich help printed `--chat <bool>`, and `--chat true` then failed."""
+    text = help_text(["generate"])
+    assert "<bool>" not in text
+    assert re.search(r"^  --chat +Apply the checkpoint's chat template\.$", text, re.M)
+    assert re.search(r"^  --ignore-eos +Run to", text, re.M)
+    result = CliRunner().invoke(app, ["generate", "--chat", "true", "--prompt", "hi"])
+    assert result.exit_code == 2 and "unexpected extra argument" in result.output
+
+
+@pytest.mark.parametrize("words,shown", [
+    (["generate"], ["[default: smollm2-135m-instruct]", "[default: 128; x>=1]",
+                    "the drafter's kind with --drafter, else ar"]),
+    (["eval"], ["default: all of math500, aime24, aime25, humaneval, mtbench, sharegpt, cnmo.",
+                "A folder that already holds results is refused: pick a new one or delete "
+                "the old results."]),
+    (["export"], ["[default: dflash-hf]", "--code-table / --no-code-table"]),
+    ([], ["Generate text: AR, or speculative with a drafter.",
+          "Acceptance length, tokens/s and speedup over AR."]),
+])
+def test_help_is_not_cut_at_80_columns(words, shown):
+    text = help_text(words, columns=80)
+    assert "\u2026" not in text  # rich's cut-off mark
+    assert max(len(line) for line in text.splitlines()) <= 80
+    flat = " ".join(text.split())  # wrapping may move words to the next line, never drop them
+    for piece in shown:
+        assert piece in flat
+
+
+def test_installed_command_help_at_80_columns():
+    result = subprocess.run(["dspine", "generate", "--help"], capture_output=True, text=True,
+                            env={**os.environ, "COLUMNS": "80"}, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "[default: smollm2-135m-instruct]" in result.stdout and "<bool>" not in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(len(fenced_blocks("python"))))
+def test_readme_python_runs(index, capsys):
+    """Each ```python block of the README, as printed, in a fresh namespace (about a
+    minute on 2 CPU cores: the SmolLM2 load plus two compilations)."""
+    code = fenced_blocks("python")[index]
+    exec(compile(code, f"README.md python block {index + 1}", "exec"), {"__name__": "readme"})
+    assert capsys.readouterr().out.strip()  # the snippets print what they generate
