@@ -232,12 +232,14 @@ def export(
         source = resolve_drafter(drafter)
         dest = _empty_folder(out)
         model = load_drafter(source, dtype=jnp.float32)
+        model.config.check_reference_layout()
         table = None
         if model.config.dspine is not None and code_table:
             loaded = load_target(target, dtype="f32")
             model.config.check_target(loaded.config)
             table = model.code_table(loaded.model.output_embedding())
-        save_drafter(model, dest, dtype=resolve_dtype(dtype), code_table=table)
+        save_drafter(model, dest, dtype=resolve_dtype(dtype), code_table=table,
+                     remote_code=True)
     except DSpineError as e:
         _fail(e)
     typer.echo(f"exported {model.config.kind} drafter to {dest} ({format}, {dtype})")
