@@ -137,3 +137,112 @@ def compare(ours: dict, theirs: dict, dtype: str = "float32") -> list[StageDiff]
             rows.append(StageDiff("draft_argmax_disagreement", 1 - agree, 0,
                                   f"argmax agreement {agree:.1%}"))
     return rows
+
+
+DEFAULT_TEXTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, there")
+
+
+def read_prompts(path, tokenizer, vocab_size: int) -> list[list[int]]:
+    """JSONL, one {"prompt": text} (needs the target's tokenizer) or {"token_ids": [...]}
+    per line; without a file, three fixed texts (or fixed ids for a target without a
+    tokenizer)."""
+    import json
+
+    from dspine_jax.errors import InputError
+
+    if path is None:
+        if tokenizer is None:
+            rng = np.random.default_rng(0)
+            return [rng.integers(0, vocab_size, n).tolist() for n in (7, 12, 20)]
+        return [tokenizer.encode(t) for t in DEFAULT_TEXTS]
+    prompts = []
+    for n, line in enumerate(open(path), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{path}:{n}: not JSON ({e})") from e
+        if "token_ids" in row:
+            ids = [int(i) for i in row["token_ids"]]
+        elif "prompt" in row and tokenizer is not None:
+            ids = tokenizer.encode(row["prompt"])
+        else:
+            raise InputError(f"{path}:{n}: give \"token_ids\", or \"prompt\" with a target "
+                             "that has a tokenizer")
+        if not ids or not all(0 <= i < vocab_size for i in ids):
+            raise InputError(f"{path}:{n}: empty prompt or token ids outside [0, {vocab_size})")
+        prompts.append(ids)
+    if not prompts:
+        raise InputError(f"{path}: no prompts")
+    return prompts
+
+
+def run_parity(target: str, drafter: str, *, prompts_file=None, temperature: float = 0.8,
+               max_new_tokens: int = 32, dtype: str = "f32"):
+    """Load the same target and drafter in JAX and in PyTorch (transformers + dspine_torch)
+    and compare every prompt's stage records. Returns (per-prompt rows, all within
+    tolerance)."""
+    from pathlib import Path
+
+    from dspine_jax.checkpoints import load_target, resolve_dtype
+    from dspine_jax.drafters.checkpoint import load_drafter
+    from dspine_jax.errors import CheckpointError, ConfigError, InputError
+    from dspine_jax.registry import resolve_drafter, resolve_target
+
+    if dtype not in ("f32", "bf16"):
+        raise InputError(f"--dtype must be f32 or bf16, got {dtype!r}")
+    if not temperature > 0:
+        raise InputError(f"--temperature must be > 0 (the q stage's temperature; tokens are "
+                         f"always compared at T = 0), got {temperature!r}")
+    try:
+        import torch
+        import transformers
+
+        import dspine_torch
+        from dspine_torch.stages import torch_stages
+    except ImportError as e:
+        raise ConfigError(f"parity needs PyTorch and transformers ({e}); install the "
+                          "test extra: pip install 'dspine-jax[test]'") from e
+    target_path = Path(resolve_target(target))
+    if not target_path.is_dir():
+        raise CheckpointError(f"{target_path}: parity needs an HF checkpoint folder (the "
+                              "PyTorch side loads it with transformers)")
+    drafter_path = resolve_drafter(drafter)
+    jdtype = resolve_dtype(dtype)
+    tdtype = torch.float32 if dtype == "f32" else torch.bfloat16
+    loaded = load_target(str(target_path), dtype=dtype,
+                         with_tokenizer=(target_path / "tokenizer.json").is_file())
+    jax_drafter = load_drafter(drafter_path, dtype=jdtype)
+    jax_drafter.config.check_target(loaded.config)
+    torch_target = transformers.AutoModelForCausalLM.from_pretrained(
+        target_path, dtype=tdtype).eval()
+    torch_drafter = dspine_torch.load_drafter(drafter_path, dtype=tdtype)
+    prompts = read_prompts(prompts_file, loaded.tokenizer, loaded.config.vocab_size)
+    name = "float32" if dtype == "f32" else "bfloat16"
+    results, ok = [], True
+    for prompt in prompts:
+        ours = jax_stages(loaded.model, jax_drafter, prompt, max_new_tokens=max_new_tokens,
+                          q_temperature=temperature)
+        theirs = torch_stages(torch_target, torch_drafter, prompt,
+                              max_new_tokens=max_new_tokens, q_temperature=temperature)
+        rows = compare(ours, theirs, name)
+        if name == "bfloat16":  # rounding flips near-ties: token stages are reported only
+            rows = [dataclasses.replace(r, tolerance=float("inf")) if r.stage in EXACT
+                    or r.stage == "draft_argmax_disagreement" else r for r in rows]
+        ok &= all(r.ok for r in rows)
+        results.append((prompt, rows))
+    return results, ok
+
+
+def format_report(results, ok: bool) -> str:
+    lines = []
+    for i, (prompt, rows) in enumerate(results):
+        lines.append(f"prompt {i} ({len(prompt)} tokens)")
+        for r in rows:
+            value = f"{r.value:.3g}" if isinstance(r.value, float) else str(r.value)
+            tol = "report only" if r.tolerance == float("inf") else f"<= {r.tolerance:g}"
+            lines.append(f"  {r.stage:27s} {value:>10s}  {tol:12s} "
+                         f"{'ok' if r.ok else 'FAIL'}  {r.detail[:70]}")
+    lines.append("parity: " + ("all stages within tolerance" if ok else "FAILED"))
+    return "\n".join(lines)

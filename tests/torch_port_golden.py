@@ -22,7 +22,10 @@ from pathlib import Path
 import numpy as np
 
 FIXTURES = Path(__file__).parent / "fixtures" / "torch_port"
-PROMPTS = [[5, 17, 42, 8, 61, 23, 9], [70, 3, 33, 88, 14, 51, 27, 62, 19, 45, 6, 80]]
+# Prefixes of two of the drafters' training sequences (so drafts get accepted), and
+# one unseen prompt.
+PROMPTS = [[37, 11, 12, 8, 23, 68, 39, 23], [31, 73, 11, 5, 30, 30, 38, 21, 57, 30],
+           [70, 3, 33, 88, 14, 51, 27, 62, 19, 45, 6, 80]]
 MAX_NEW_TOKENS = 24
 Q_TEMPERATURE = 0.8
 KINDS = ("dflash", "dspine")
@@ -47,6 +50,12 @@ def build_weights(folder: Path = FIXTURES) -> None:
     model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**TARGET)).float().eval()
     model.save_pretrained(folder / "target")
     target = load_target(str(folder / "target"), dtype="f32", with_tokenizer=False)
+    # The target's own greedy continuations of random prompts: the drafters' training data.
+    prompts = torch.randint(0, TARGET["vocab_size"], (128, 4), generator=torch.Generator()
+                            .manual_seed(1))
+    sequences = model.generate(prompts, attention_mask=torch.ones_like(prompts),
+                               max_new_tokens=36, do_sample=False, min_new_tokens=36,
+                               pad_token_id=0, eos_token_id=None).numpy()
     spine = DSpineConfig(transfer_rank=16, message_size=8, top_k=4)
     for kind in KINDS:
         config = DrafterConfig.for_target(target.config, kind=kind, num_layers=2,
@@ -59,8 +68,51 @@ def build_weights(folder: Path = FIXTURES) -> None:
             for w in [*inj.writes, inj.predecessor_gate]:
                 w.weight[...] = jax.random.normal(next(keys), w.weight.shape) * 0.3
             inj.bias[...] = jax.random.normal(next(keys), inj.bias.shape) * 0.3
+        print(kind, 'final training loss', fit(drafter, target.model, sequences))
         save_drafter(drafter, folder / kind,
                      code_table=drafter.code_table(e_out) if kind == "dspine" else None)
+
+
+def fit(drafter, target, sequences, steps: int = 1500, blocks: int = 8, seed: int = 0):
+    """A few hundred Adam steps of per-slot cross-entropy (enough for accepted lengths
+    above 1, so the fixtures exercise acceptance, cache rollback and context growth)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    k = drafter.config.block_size
+    tokens = jnp.asarray(sequences, jnp.int32)
+    out = target(tokens, hidden_layer_ids=drafter.config.target_layer_ids)
+    feats = out.features()
+    e_in, e_out = target.input_embedding(), target.output_embedding()
+    graph, params, rest = nnx.split(drafter, nnx.Param, ...)
+    tx = optax.adam(optax.cosine_decay_schedule(1e-2, steps))
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state, rows, anchors):
+        def loss_fn(p):
+            model = nnx.merge(graph, p, rest)
+            logits = model.forward_train(tokens[rows], feats[rows], anchors, e_in,
+                                         e_out).logits[:, :, 1:]
+            labels = jnp.take_along_axis(
+                tokens[rows], (anchors[..., None] + jnp.arange(1, k)).reshape(len(rows), -1),
+                1).reshape(logits.shape[:-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    rng = np.random.default_rng(seed)
+    t = tokens.shape[1]
+    for _ in range(steps):
+        rows = jnp.asarray(rng.choice(len(sequences), 16, replace=False))
+        anchors = np.sort(np.stack([rng.choice(t - k + 1, blocks, replace=False)
+                                    for _ in range(16)]), 1)
+        params, opt_state, loss = step(params, opt_state, rows, jnp.asarray(anchors))
+    nnx.update(drafter, params)
+    return float(loss)
 
 
 def records(folder: Path = FIXTURES, kind: str = "dflash", dtype: str = "f32") -> dict:
