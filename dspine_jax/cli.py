@@ -235,7 +235,7 @@ def export(
         model.config.check_reference_layout()
         table = None
         if model.config.dspine is not None and code_table:
-            loaded = load_target(target, dtype="f32")
+            loaded = load_target(target, dtype="f32", with_tokenizer=False)  # lm_head only
             model.config.check_target(loaded.config)
             table = model.code_table(loaded.model.output_embedding())
         save_drafter(model, dest, dtype=resolve_dtype(dtype), code_table=table,
