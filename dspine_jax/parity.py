@@ -39,8 +39,11 @@ from dspine_jax.target import TargetModel
 TOLERANCES = {
     "float32": {"features": 1e-4, "draft_logits": 1e-4, "q": 1e-5, "target_logits": 1e-4,
                 "gates": 1e-5, "transition": 1e-4},
-    "bfloat16": {"features": 0.25, "draft_logits": 0.25, "q": 0.1, "target_logits": 0.25,
-                 "gates": 0.02, "transition": 0.25},
+    # bf16: relative to the stage's max |value| (the two targets already round differently:
+    # transformers casts RoPE's cos/sin to bf16, attention kernels differ), token stages
+    # reported only; q and transition only where both sides chose the same candidates.
+    "bfloat16": {"features": 0.05, "draft_logits": 0.15, "q": 0.15, "target_logits": 0.05,
+                 "gates": 0.1, "transition": 0.15},
 }
 EXACT = ("first_token", "draft_tokens", "candidates", "num_accepted", "tokens",
          "accept_lengths")
@@ -128,8 +131,12 @@ def compare(ours: dict, theirs: dict, dtype: str = "float32") -> list[StageDiff]
                                   f"shapes {a.shape} vs {b.shape}"))
         else:
             diff = float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))
-            rows.append(StageDiff(name, diff, tolerances[name],
-                                  f"max |value| {float(np.max(np.abs(a))):.3g}"))
+            scale = float(np.max(np.abs(a)))
+            tolerance = tolerances[name] * (scale if dtype == "bfloat16" else 1.0)
+            if (dtype == "bfloat16" and name in ("q", "transition")
+                    and not np.array_equal(ours.get("candidates"), theirs.get("candidates"))):
+                tolerance = float("inf")  # different candidates: rows are not comparable
+            rows.append(StageDiff(name, diff, tolerance, f"max |value| {scale:.3g}"))
     if "draft_logits" in ours and "draft_logits" in theirs:
         a, b = ours["draft_logits"][1:], theirs["draft_logits"][1:]
         if a.shape == b.shape:

@@ -272,3 +272,53 @@ def test_both_config_layouts_read_alike():
     clash = {**new, "dspine_config": {**new["dspine_config"], "injection": False}}
     with pytest.raises(ConfigError, match="injection=False disagrees"):
         DrafterConfig.from_hf(clash)
+
+
+def test_remote_code_files_import_only_torch_and_transformers():
+    """What an export ships must run where only torch and transformers are installed."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    from dspine_torch import REMOTE_CODE_FILES
+
+    allowed = {"__future__", "dataclasses", "json", "math", "pathlib", "torch", "transformers",
+               "safetensors"}
+    folder = Path(importlib.util.find_spec("dspine_torch").origin).parent
+    for file in REMOTE_CODE_FILES:
+        tree = ast.parse((folder / file).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module]
+            else:
+                continue
+            assert {n.split(".")[0] for n in names} <= allowed, (file, names)
+
+
+def test_parity_command(tmp_path):
+    from typer.testing import CliRunner
+
+    from dspine_jax.cli import app
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"token_ids": PROMPTS[1]}) + "\n")
+    args = ["parity", "--target", str(FIXTURES / "target"), "--drafter",
+            str(FIXTURES / "dspine"), "--max-new-tokens", "8"]
+    result = CliRunner().invoke(app, args + ["--prompts", str(prompts)])
+    assert result.exit_code == 0, result.output
+    assert "draft_logits" in result.output and "all stages within tolerance" in result.output
+    prompts.write_text(json.dumps({"prompt": "text needs a tokenizer"}) + "\n")
+    bad = CliRunner().invoke(app, args + ["--prompts", str(prompts)])
+    assert bad.exit_code == 2 and "has a tokenizer" in bad.output
+
+
+def test_parity_comparison_fails_on_drift():
+    from dspine_jax.parity import compare
+
+    reference = unpack(golden("dspine"), 0)
+    drifted = {**reference, "draft_logits": reference["draft_logits"] + 2e-4,
+               "tokens": np.roll(reference["tokens"], 1)}
+    failed = {r.stage for r in compare(reference, drifted) if not r.ok}
+    assert failed == {"draft_logits", "tokens"}
