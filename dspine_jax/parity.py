@@ -41,8 +41,9 @@ TOLERANCES = {
                 "gates": 1e-5, "transition": 1e-4},
     # bf16: relative to the stage's max |value| (the two targets already round differently:
     # transformers casts RoPE's cos/sin to bf16, attention kernels differ), token stages
-    # reported only; q and transition only where both sides chose the same candidates.
-    "bfloat16": {"features": 0.05, "draft_logits": 0.15, "q": 0.15, "target_logits": 0.05,
+    # reported only; q and transition only where both sides chose the same candidates,
+    # the target's block logits only where both drafted the same block.
+    "bfloat16": {"features": 0.05, "draft_logits": 0.15, "q": 0.25, "target_logits": 0.05,
                  "gates": 0.1, "transition": 0.15},
 }
 EXACT = ("first_token", "draft_tokens", "candidates", "num_accepted", "tokens",
@@ -136,6 +137,9 @@ def compare(ours: dict, theirs: dict, dtype: str = "float32") -> list[StageDiff]
             if (dtype == "bfloat16" and name in ("q", "transition")
                     and not np.array_equal(ours.get("candidates"), theirs.get("candidates"))):
                 tolerance = float("inf")  # different candidates: rows are not comparable
+            if (dtype == "bfloat16" and name == "target_logits"
+                    and not np.array_equal(ours.get("draft_tokens"), theirs.get("draft_tokens"))):
+                tolerance = float("inf")  # the target scored different drafts
             rows.append(StageDiff(name, diff, tolerance, f"max |value| {scale:.3g}"))
     if "draft_logits" in ours and "draft_logits" in theirs:
         a, b = ours["draft_logits"][1:], theirs["draft_logits"][1:]
