@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import secrets
 import time
+import weakref
 from typing import Sequence
 
 import jax
@@ -148,7 +150,6 @@ class EngineCore:
         self._top_p = np.ones((max_slots, 1), np.float32)
         self._top_k = np.zeros((max_slots, 1), np.int32)
         self._ignore_eos = np.zeros((max_slots,), bool)
-        self._compiled: dict[tuple, object] = {}
         self._state = self._empty_state()
 
     # ----- the interface -------------------------------------------------------------------
@@ -230,7 +231,7 @@ class EngineCore:
             group.append(request)
         if not group:
             return group
-        g = bucket(len(group), minimum=1)
+        g = min(bucket(len(group), minimum=1), self.max_slots)
         p = bucket(max(len(r.prompt) for r in group))
         p = min(p, self.max_model_len)
         tokens = np.zeros((g, 1, p), np.int32)
@@ -252,11 +253,11 @@ class EngineCore:
             self._temperature[r.slot], self._top_p[r.slot] = o.temperature, o.top_p
             self._top_k[r.slot], self._ignore_eos[r.slot] = o.top_k, o.ignore_eos
             self._running[r.slot] = r
-        greedy = bool((temperature == 0).all())
+        # Prefill traces sampling even for greedy groups (argmax rows stay argmax): one
+        # token per row costs little, and it halves the prefill variants to compile.
         sampling = SamplingParams(jnp.asarray(temperature), jnp.asarray(top_p),
-                                  jnp.asarray(top_k), all_greedy=greedy)
-        prefill = self._prefill_fn(g, p, greedy)
-        self._state = prefill(self._params, self._state, jnp.asarray(tokens),
+                                  jnp.asarray(top_k), all_greedy=False)
+        self._state = self._prefill_fn()(self._params, self._state, jnp.asarray(tokens),
                               jnp.asarray(lengths), jnp.asarray(budget), jnp.asarray(seeds),
                               sampling, jnp.asarray(ignore), jnp.asarray(slots))
         return group
@@ -265,7 +266,7 @@ class EngineCore:
         greedy = bool((self._temperature == 0).all())
         sampling = SamplingParams(jnp.asarray(self._temperature), jnp.asarray(self._top_p),
                                   jnp.asarray(self._top_k), all_greedy=greedy)
-        self._state = self._decode_fn(greedy)(self._params, self._state, sampling,
+        self._state = self._decode_fn()(self._params, self._state, sampling,
                                               jnp.asarray(self._ignore_eos))
 
     def _collect(self) -> list[RequestOutput]:
@@ -314,15 +315,11 @@ class EngineCore:
 
     # ----- compiled pieces: the decoder's own prefill and step loop, per slot ------------
     def _row_prefill(self, params, tokens, length, budget, seed, sampling, ignore):
-        """One request as the decoder's batch of one: tokens [1, P] -> DecodeState (B=1)."""
-        d = self.decoder
-        caches = d.create_caches(1, self.max_model_len)
-        return d._prefill_fn(params, tokens, length, caches, sampling, budget,
-                             jax.random.key(seed), ignore, self.max_model_len)
+        return _row_prefill(self.decoder, self.max_model_len, params, tokens, length, budget,
+                            seed, sampling, ignore)
 
     def _empty_state(self) -> DecodeState:
         """S frozen (done) slots with the shapes a prefilled slot has."""
-        d = self.decoder
         one = jax.eval_shape(
             self._row_prefill, self._params, jnp.zeros((1, 16), jnp.int32),
             jnp.ones((1,), jnp.int32), jnp.ones((1,), jnp.int32), jnp.uint32(0),
@@ -334,58 +331,77 @@ class EngineCore:
             return jnp.zeros((self.max_slots,) + leaf.shape, leaf.dtype)
 
         state = jax.tree.map(zeros, one)
-        del d
         return state.replace(done=jnp.ones_like(state.done))
 
-    def _prefill_fn(self, g: int, p: int, greedy: bool):
-        key = ("prefill", g, p, greedy)
-        if key not in self._compiled:
-            row = jax.vmap(self._row_prefill, in_axes=(None, 0, 0, 0, 0, 0, 0))
+    def _prefill_fn(self):
+        return _compiled(self.decoder, ("prefill", self.max_model_len), lambda: jax.jit(
+            functools.partial(_prefill, self.decoder, self.max_model_len),
+            donate_argnames=("state",)))
 
-            def prefill(params, state, tokens, lengths, budget, seeds, sampling, ignore, slots):
-                new = row(params, tokens, lengths, budget, seeds, sampling, ignore)
-                return jax.tree.map(lambda s, n: s.at[slots].set(n, mode="drop"), state, new)
-
-            self._compiled[key] = jax.jit(prefill, donate_argnames=("state",))
-        return self._compiled[key]
-
-    def _decode_fn(self, greedy: bool):
-        key = ("decode", greedy)
-        if key not in self._compiled:
-            d = self.decoder
-            steps = d.steps_per_call
-
-            def row(params, state, sampling, ignore):
-                return d._decode_fn(params, state, sampling, ignore, steps)
-
-            self._compiled[key] = jax.jit(jax.vmap(row, in_axes=(None, 0, 0, 0)),
-                                          donate_argnames=("state",))
-        return self._compiled[key]
+    def _decode_fn(self):
+        return _compiled(self.decoder, ("decode",), lambda: jax.jit(
+            jax.vmap(functools.partial(_row_decode, self.decoder), in_axes=(None, 0, 0, 0)),
+            donate_argnames=("state",)))
 
     def _freeze_fn(self):
-        if "freeze" not in self._compiled:
-            def freeze(state, slots):
-                return state.replace(done=state.done.at[slots].set(True))
+        return _compiled(self.decoder, ("freeze",), lambda: jax.jit(
+            _freeze, donate_argnames=("state",)))
 
-            self._compiled["freeze"] = jax.jit(freeze, donate_argnames=("state",))
-        return self._compiled["freeze"]
-
-    def warmup(self, prompt_lengths: Sequence[int] = (16,)) -> float:
-        """Compile the decode loop (greedy and sampled) and the one-request prefill for the
-        given prompt buckets before serving; returns seconds."""
+    def warmup(self) -> float:
+        """Compile before serving: the decode loop (greedy and sampled) and the prefill of
+        one request and of a full set of slots, at the shortest prompt bucket (longer
+        buckets and other group sizes compile when first met). Returns seconds."""
         t0 = time.perf_counter()
-        for n in sorted({bucket(min(n, self.max_model_len - 1)) for n in prompt_lengths}):
-            for t in (0.0, 1.0):
-                rid = f"__warmup_{n}_{t}"
-                self.add_request(rid, [0] * min(n, self.max_model_len -
-                                              self.decoder.extra_capacity - 2),
-                                 SamplingOptions(max_tokens=2, temperature=t, seed=0,
-                                                 ignore_eos=True))
-                while self.has_work():
-                    self.step()
+        n = max(1, min(8, self.max_model_len - self.decoder.extra_capacity - 2))
+        for temperature, group in ((0.0, 1), (1.0, self.max_slots)):
+            for i in range(group):
+                self.add_request(f"__warmup_{temperature}_{i}", [0] * n, SamplingOptions(
+                    max_tokens=2, temperature=temperature, seed=0, ignore_eos=True))
+            while self.has_work():
+                self.step()
         return time.perf_counter() - t0
 
 
 class QueueFull(InputError):
     """The waiting queue is at its bound: the server answers 429."""
 
+
+
+# Compiled functions live with their decoder, not with one EngineCore: a server restarted
+# in-process (or several cores over one pipeline) compiles nothing twice. jax.jit keys
+# each on its input shapes (slots, group, prompt bucket) and on `all_greedy`.
+_COMPILED: "weakref.WeakKeyDictionary[BatchDecoder, dict]" = weakref.WeakKeyDictionary()
+
+
+def _compiled(decoder: BatchDecoder, key: tuple, make):
+    table = _COMPILED.setdefault(decoder, {})
+    if key not in table:
+        table[key] = make()
+    return table[key]
+
+
+def _row_prefill(decoder: BatchDecoder, capacity: int, params, tokens, length, budget, seed,
+                 sampling, ignore):
+    """One request as the decoder's batch of one: tokens [1, P] -> DecodeState (B = 1)."""
+    caches = decoder.create_caches(1, capacity)
+    return decoder._prefill_fn(params, tokens, length, caches, sampling, budget,
+                               jax.random.key(seed), ignore, capacity)
+
+
+def _prefill(decoder, capacity, params, state, tokens, lengths, budget, seeds, sampling,
+             ignore, slots):
+    """Prefill G requests [G, 1, P] (vmapped rows of one) and write them into `slots` [G]
+    of the S-slot state; rows aimed at slot S (padding) are dropped."""
+    row = jax.vmap(functools.partial(_row_prefill, decoder, capacity),
+                   in_axes=(None, 0, 0, 0, 0, 0, 0))
+    new = row(params, tokens, lengths, budget, seeds, sampling, ignore)
+    return jax.tree.map(lambda s, n: s.at[slots].set(n, mode="drop"), state, new)
+
+
+def _row_decode(decoder, params, state, sampling, ignore):
+    """The decoder's step loop (steps_per_call target passes) on one slot."""
+    return decoder._decode_fn(params, state, sampling, ignore, decoder.steps_per_call)
+
+
+def _freeze(state, slots):
+    return state.replace(done=state.done.at[slots].set(True))
