@@ -135,7 +135,7 @@ class _Handlers:
             ids = self.tokenizer.encode(prompt)
         else:
             ids = list(prompt)
-        options = self._options(req, ids, req.max_tokens, 16, "prompt")
+        options = self._options(req, ids, req.max_tokens, 16, "prompt", "max_tokens")
         return await self._respond(request, req, "cmpl", ids, options, chat=False)
 
     async def chat(self, request: Request):
@@ -158,8 +158,9 @@ class _Handlers:
         if req.max_tokens is not None and req.max_completion_tokens is not None:
             raise APIError(400, "give max_tokens or max_completion_tokens, not both",
                            param="max_completion_tokens")
-        max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
-        options = self._options(req, ids, max_tokens, None, "messages")
+        max_tokens, param = ((req.max_completion_tokens, "max_completion_tokens")
+                             if req.max_tokens is None else (req.max_tokens, "max_tokens"))
+        options = self._options(req, ids, max_tokens, None, "messages", param)
         return await self._respond(request, req, "chatcmpl", ids, options, chat=True)
 
     # ----- parsing and checks ------------------------------------------------------------
@@ -198,7 +199,8 @@ class _Handlers:
         return req
 
     def _options(self, req: SamplingFields, ids: list[int], max_tokens: int | None,
-                 default: int | None, prompt_param: str) -> SamplingOptions:
+                 default: int | None, prompt_param: str,
+                 max_tokens_param: str) -> SamplingOptions:
         if not (0 <= req.temperature <= MAX_TEMPERATURE and math.isfinite(req.temperature)):
             raise APIError(400, f"temperature must be in [0, {MAX_TEMPERATURE}], got "
                            f"{req.temperature}", param="temperature")
@@ -224,12 +226,12 @@ class _Handlers:
         if max_tokens is None:
             max_tokens = room if default is None else min(default, room)
         if max_tokens < 1:
-            raise APIError(400, f"max_tokens must be >= 1, got {max_tokens}",
-                           param="max_tokens")
+            raise APIError(400, f"{max_tokens_param} must be >= 1, got {max_tokens}",
+                           param=max_tokens_param)
         if max_tokens > room:
-            raise APIError(400, f"max_tokens is {max_tokens}, but the prompt's {len(ids)} "
-                           f"tokens leave room for {room} in this server's context of "
-                           f"{core.max_model_len}", param="max_tokens",
+            raise APIError(400, f"{max_tokens_param} is {max_tokens}, but the prompt's "
+                           f"{len(ids)} tokens leave room for {room} in this server's context "
+                           f"of {core.max_model_len}", param=max_tokens_param,
                            code="context_length_exceeded")
         options = SamplingOptions(
             max_tokens=max_tokens, temperature=float(req.temperature), top_p=float(req.top_p),
@@ -312,7 +314,6 @@ class _Run:
 
     async def events(self) -> AsyncIterator[str]:
         """Text pieces as they become final; sets finish_reason at the end."""
-        m = self.h.metrics
         try:
             async for out in self.stream:
                 self._account(out)
@@ -329,9 +330,9 @@ class _Run:
         except EngineDead as e:
             self.error = APIError(503, str(e), type="service_unavailable",
                                   code="engine_stopped")
-            return
-        if self.finish_reason is not None:
-            m.requests.labels(self.finish_reason).inc()
+        finally:  # also when the client left and the response closed this generator
+            m = self.h.metrics
+            m.requests.labels(self.finish_reason or "abort").inc()
             m.generation_tokens.inc(self.completion_tokens)
             m.e2e.observe(time.perf_counter() - self.arrival)
 

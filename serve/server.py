@@ -2,7 +2,9 @@
 
 Shutdown (SIGTERM or Ctrl-C): the listening socket closes and every new request gets 503
 at once; requests in flight run to their end for up to `grace_seconds`, then are
-cancelled (their slots freed); the engine thread stops; the process exits 0.
+cancelled (their slots freed); the engine thread stops; the process exits. (uvicorn
+re-raises the signal after its graceful shutdown, so the exit status is that of a process
+ended by SIGTERM: 143 in a shell.)
 """
 
 from __future__ import annotations
