@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -171,6 +172,17 @@ def test_detokenizer_holds_back_stop_strings_and_partial_characters(pipe):
     d = IncrementalDetokenizer(tok)
     euro = tok.encode("\u20ac")  # three bytes, one byte-level token each
     assert len(euro) > 1 and d.add(euro[:1]) == "" and d.add(euro[1:]) == "\u20ac"
+    # Random ids (special tokens, stray bytes) in random bursts: the pieces join into
+    # decode(all ids), the text the offline API returns.
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 40))]
+        d, pieces, i = IncrementalDetokenizer(tok), [], 0
+        while i < len(ids):
+            k = rng.randrange(1, 5)
+            pieces.append(d.add(ids[i:i + k], last=i + k >= len(ids)))
+            i += k
+        assert "".join(pieces) == d.text == tok.decode(ids)
 
 
 # ----- the HTTP server -----------------------------------------------------------------------
@@ -470,6 +482,28 @@ def test_shutdown_finishes_in_flight_requests_and_refuses_new_ones(pipe):
         assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
         s.thread.join(30)
         assert not s.thread.is_alive() and not s.engine.alive
+    finally:
+        s.stop()
+
+
+def test_shutdown_cancels_what_outlives_the_grace_period(pipe):
+    s = Served(pipe, grace=0.5)
+    try:
+        with slow_engine(s.engine, seconds=0.1):
+            with httpx.Client(base_url=s.url, timeout=30, trust_env=False) as client:
+                body = {"prompt": "hi", "max_tokens": 200, "ignore_eos": True,
+                        "stream": True}
+                with client.stream("POST", "/v1/completions", json=body) as r:
+                    lines = r.iter_lines()
+                    next(lines)
+                    t0 = time.monotonic()
+                    s.server.handle_exit(signal.SIGTERM, None)
+                    with contextlib.suppress(httpx.HTTPError):
+                        rest = [line for line in lines if line]
+                        assert "data: [DONE]" not in rest    # cut, not finished
+        s.thread.join(30)
+        assert not s.thread.is_alive() and time.monotonic() - t0 < 10
+        assert not s.engine.alive and s.engine.stats().running == 0
     finally:
         s.stop()
 
