@@ -34,7 +34,7 @@ from dspine_serve.engine_loop import (Draining, EngineDead, EngineLoop, QueueFul
                                       RequestStream)
 from dspine_serve.metrics import ServerMetrics
 from dspine_serve.protocol import (ROLES, APIError, ChatCompletionRequest, CompletionRequest,
-                                   SamplingFields, now, request_id, usage)
+                                   SamplingFields, TokenizeRequest, now, request_id, usage)
 
 log = logging.getLogger("dspine_serve")
 
@@ -87,6 +87,10 @@ def create_app(engine: EngineLoop, tokenizer, *, model_name: str, method: str = 
     async def chat_completions(request: Request):
         return await server.chat(request)
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await server.tokenize(request)
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [server.model_card()]}
@@ -118,7 +122,10 @@ class _Handlers:
         core = self.engine.core
         return {"id": self.model_name, "object": "model", "created": self.created,
                 "owned_by": "dspine-jax", "max_model_len": core.max_model_len,
-                "method": self.method}
+                "method": self.method,
+                # positions a speculative step writes past the output (its verify block):
+                # prompt + max_tokens + this must fit in max_model_len
+                "reserved_tokens": core.decoder.extra_capacity}
 
     # ----- the two routes ----------------------------------------------------------------
     async def completions(self, request: Request):
@@ -140,21 +147,7 @@ class _Handlers:
 
     async def chat(self, request: Request):
         req = await self._parse(request, ChatCompletionRequest)
-        if not req.messages:
-            raise APIError(400, "messages is empty: give at least one message",
-                           param="messages")
-        for i, m in enumerate(req.messages):
-            if m.role not in ROLES:
-                raise APIError(400, f"messages[{i}].role is {m.role!r}; supported roles: "
-                               f"{', '.join(ROLES)}", param=f"messages[{i}].role")
-            if m.content is None and m.role != "assistant":
-                raise APIError(400, f"messages[{i}] has no content",
-                               param=f"messages[{i}].content")
-        try:
-            ids = self.tokenizer.encode_chat([{"role": m.role, "content": m.text()}
-                                              for m in req.messages])
-        except InputError as e:
-            raise APIError(400, str(e), param="messages") from e
+        ids = self._encode_chat(req.messages)
         if req.max_tokens is not None and req.max_completion_tokens is not None:
             raise APIError(400, "give max_tokens or max_completion_tokens, not both",
                            param="max_completion_tokens")
@@ -162,6 +155,32 @@ class _Handlers:
                              if req.max_tokens is None else (req.max_tokens, "max_tokens"))
         options = self._options(req, ids, max_tokens, None, "messages", param)
         return await self._respond(request, req, "chatcmpl", ids, options, chat=True)
+
+    async def tokenize(self, request: Request):
+        """{"count", "max_model_len", "tokens"} (vLLM's shape): lets a client such as the
+        benchmark drop prompts that cannot fit, as bench_serving does."""
+        req = await self._parse(request, TokenizeRequest)
+        ids = (self.tokenizer.encode(req.prompt) if req.prompt is not None
+               else self._encode_chat(req.messages))
+        return {"count": len(ids), "max_model_len": self.engine.core.max_model_len,
+                "tokens": ids}
+
+    def _encode_chat(self, messages) -> list[int]:
+        if not messages:
+            raise APIError(400, "messages is empty: give at least one message",
+                           param="messages")
+        for i, m in enumerate(messages):
+            if m.role not in ROLES:
+                raise APIError(400, f"messages[{i}].role is {m.role!r}; supported roles: "
+                               f"{', '.join(ROLES)}", param=f"messages[{i}].role")
+            if m.content is None and m.role != "assistant":
+                raise APIError(400, f"messages[{i}] has no content",
+                               param=f"messages[{i}].content")
+        try:
+            return self.tokenizer.encode_chat([{"role": m.role, "content": m.text()}
+                                               for m in messages])
+        except InputError as e:
+            raise APIError(400, str(e), param="messages") from e
 
     # ----- parsing and checks ------------------------------------------------------------
     async def _parse(self, request: Request, model: type[BaseModel]):

@@ -59,9 +59,8 @@ def check_loopback(base_url: str) -> str:
     return base_url.rstrip("/")
 
 
-def load_prompts(source: str, num_prompts: int) -> list[dict]:
-    """[{"prompt", "chat"}] from sharegpt:heldout or a JSONL file; the first
-    `num_prompts`, cycled when the source has fewer."""
+def load_prompts(source: str) -> list[dict]:
+    """[{"prompt", "chat"}] from sharegpt:heldout or a JSONL file, in order."""
     from dspine_jax.data.prompts import jsonl_prompts, sharegpt_prompts
 
     if source in ("sharegpt:heldout", "sharegpt"):
@@ -71,7 +70,30 @@ def load_prompts(source: str, num_prompts: int) -> list[dict]:
     records = [r for r in records if r["prompt"].strip()]
     if not records:
         raise InputError(f"{source}: no prompts")
-    return [records[i % len(records)] for i in range(num_prompts)]
+    return records
+
+
+def fitting_prompts(client, base_url: str, records: Sequence[dict], model: dict,
+                    num_prompts: int, max_tokens: int) -> tuple[list[dict], int]:
+    """The first `num_prompts` records whose prompt (tokenized by the server's /tokenize)
+    leaves room for max_tokens, as bench_serving drops over-long ShareGPT prompts; cycled
+    when fewer fit. Returns (prompts, number skipped as too long)."""
+    room = model["max_model_len"] - model.get("reserved_tokens", 0) - max_tokens
+    chosen, skipped = [], 0
+    for record in records[:max(num_prompts * 20, 1000)]:
+        body = ({"messages": [{"role": "user", "content": record["prompt"]}]}
+                if record.get("chat", True) else {"prompt": record["prompt"]})
+        count = client.post(base_url + "/tokenize", json=body).json()["count"]
+        if count > room:
+            skipped += 1
+            continue
+        chosen.append(record)
+        if len(chosen) == num_prompts:
+            break
+    if not chosen:
+        raise InputError(f"no prompt leaves room for {max_tokens} tokens in the server's "
+                         f"context of {model['max_model_len']}; lower --max-tokens")
+    return [chosen[i % len(chosen)] for i in range(num_prompts)], skipped
 
 
 async def _one(client, base_url: str, model: str | None, prompt: dict, *, max_tokens: int,
@@ -257,13 +279,16 @@ def bench_serve(base_url: str, *, prompts: str = "sharegpt:heldout", num_prompts
         raise InputError("--num-prompts, --max-tokens and every --concurrency must be >= 1")
     if not request_rate > 0:
         raise InputError(f"--request-rate must be > 0 (inf: all at once), got {request_rate}")
-    records = load_prompts(prompts, num_prompts)
-    try:
-        with httpx.Client(timeout=10, trust_env=False) as client:
-            models = client.get(base_url + "/v1/models").json()["data"]
-    except Exception as e:  # noqa: BLE001
-        raise InputError(f"no server answers at {base_url}/v1/models: {e}") from e
-    model = models[0]
+    sources = load_prompts(prompts)
+    with httpx.Client(timeout=60, trust_env=False) as client:
+        try:
+            model = client.get(base_url + "/v1/models").json()["data"][0]
+        except Exception as e:  # noqa: BLE001
+            raise InputError(f"no server answers at {base_url}/v1/models: {e}") from e
+        records, skipped = fitting_prompts(client, base_url, sources, model, num_prompts,
+                                           max_tokens)
+    if skipped:
+        log(f"skipped {skipped} prompts too long for the server's context")
     levels = []
     for c in concurrency:
         level = asyncio.run(run_level(base_url, records, concurrency=c,
@@ -278,7 +303,8 @@ def bench_serve(base_url: str, *, prompts: str = "sharegpt:heldout", num_prompts
             f"{level['median_itl_ms']:.1f}/{level['p99_itl_ms']:.1f} ms, accept length "
             f"{level['accept_length']}")
     result = {"base_url": base_url, "model": model, "prompts": prompts,
-              "num_prompts": num_prompts, "max_tokens": max_tokens,
+              "num_prompts": num_prompts, "skipped_long_prompts": skipped,
+              "max_tokens": max_tokens,
               "temperature": temperature, "ignore_eos": ignore_eos,
               "request_rate": request_rate if math.isfinite(request_rate) else "inf",
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "levels": levels}

@@ -111,6 +111,18 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Optional[StrictInt] = None
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or messages rendered with the chat template."""
+    model_config = ConfigDict(extra="ignore")
+    model: Optional[StrictStr] = None
+    prompt: Optional[StrictStr] = None
+    messages: Optional[list[ChatMessage]] = None
+
+    def check_supported(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+
+
 def request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 

@@ -514,8 +514,9 @@ def test_bench_serve_cli(served, tmp_path):
     from dspine_jax.cli import app
 
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p, "chat": i % 2 == 0}) + "\n"
-                               for i, p in enumerate(PLAIN)))
+    lines = [{"prompt": "hi " * 300, "chat": False}]    # too long: skipped, as bench_serving
+    lines += [{"prompt": p, "chat": i % 2 == 0} for i, p in enumerate(PLAIN)]
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
     out = tmp_path / "bench"
     result = CliRunner().invoke(app, [
         "bench", "serve", "--base-url", served.url, "--prompts", str(prompts),
@@ -524,6 +525,7 @@ def test_bench_serve_cli(served, tmp_path):
     assert result.exit_code == 0, result.output
     saved = json.loads((out / "results.json").read_text())
     assert [lv["concurrency"] for lv in saved["levels"]] == [1, 4]
+    assert saved["skipped_long_prompts"] == 1
     for level in saved["levels"]:
         assert level["completed"] == 8 and level["failed"] == 0
         assert level["total_output_tokens"] == 64 and level["output_throughput"] > 0
