@@ -240,16 +240,20 @@ class BatchDecoder:
         ignore = jnp.asarray(ignore_eos)
         params = self.params()
 
-        def args():  # fresh caches per call: prefill donates them
-            return (params, tokens, lengths, self.create_caches(page_table, num_pages),
+        def args(abstract=False):  # fresh caches per call: prefill donates them
+            caches = functools.partial(self.create_caches, page_table, num_pages)
+            return (params, tokens, lengths, jax.eval_shape(caches) if abstract else caches(),
                     sampling, budget, rng, ignore)
 
         t0 = time.perf_counter()
         greedy = sampling.all_greedy  # greedy batches trace no sampling at all
         shape = (b, capacity, num_pages, out_len, greedy)
-        prefill = self._compile(("prefill", prompt_len) + shape, self._prefill_fn, *args(),
-                                out_len, static=("out_len",), donate=("caches",))
-        state = jax.eval_shape(functools.partial(self._prefill_fn, out_len=out_len), *args())
+        # compiled from shapes: no page pool is allocated until the first prefill
+        prefill = self._compile(("prefill", prompt_len) + shape, self._prefill_fn,
+                                *args(abstract=True), out_len, static=("out_len",),
+                                donate=("caches",))
+        state = jax.eval_shape(functools.partial(self._prefill_fn, out_len=out_len),
+                               *args(abstract=True))
         decode = self._compile(("decode",) + shape, self._decode_fn, params, state, sampling,
                                ignore, self.steps_per_call, static=("num_steps",),
                                donate=("state",))
