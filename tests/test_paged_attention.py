@@ -197,6 +197,18 @@ def test_greedy_speculative_on_pallas_equals_autoregressive(target, kind):
         assert sum(g.accept_lengths) == len(g.tokens) - 1
 
 
+def test_sampled_speculative_on_pallas_equals_xla(target):
+    """Seeded sampling draws the same tokens on both backends, so the chi-square tests of
+    test_engine.py (run on xla: 12000 rows are too many for interpret mode) cover pallas."""
+    drafter = make_drafter(target, "dspine")
+    runs = [SpeculativeEngine(target, drafter, eos_token_ids=[], steps_per_call=4,
+                              attention_backend=name).generate(
+        PROMPTS[:2], max_new_tokens=16, temperature=1.0, seed=5).generations
+        for name in ("xla", "pallas")]
+    assert [g.tokens for g in runs[0]] == [g.tokens for g in runs[1]]
+    assert [g.accept_lengths for g in runs[0]] == [g.accept_lengths for g in runs[1]]
+
+
 def test_autoregressive_on_pallas_equals_xla(target):
     kw = dict(eos_token_ids=[], steps_per_call=8)
     want = AutoregressiveGenerator(target, attention_backend="xla", **kw).generate(
