@@ -124,7 +124,7 @@ def check_sha256(path: Path, expected: str, origin: str) -> None:
                               "Delete it and run again.")
 
 
-# Built-in drafters: run 4 of the replication (docs/replication.md), 3,000 steps each:
+# Built-in drafters: the replication's shipped pair (docs/replication.md), 3,000 steps each:
 # `STEPS=3000 KINDS="dflash dspine-ce-no-alignment" train/replicate_smollm2.sh train`.
 # Shipped in the source tree, bf16 safetensors.
 DRAFTER_ASSETS = Path(__file__).parent / "assets" / "drafters"

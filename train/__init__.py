@@ -1,1 +1,2 @@
-"""Drafter training front end (Optax + Orbax over a jax.sharding.Mesh); see issue 5."""
+"""Drafter training (installed as `dspine_train`): config, data, the step, the loop,
+checkpoints and metrics, over a jax.sharding.Mesh (Optax + Orbax)."""

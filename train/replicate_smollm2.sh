@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The SmolLM2-135M-Instruct replication (issue 6): regenerate data, train DFlash, DSpine and
+# The SmolLM2-135M-Instruct replication: regenerate data, train DFlash, DSpine and
 # the loss-confound baseline (DFlash trained with DSpine's backbone loss), evaluate all
 # three against AR at T=0 and T=1. Every stage resumes where it stopped, so the script can
 # be rerun (or run stage by stage) after an interruption.
@@ -11,8 +11,8 @@
 #   KINDS="dspine dflash dflash-cel1"  TEMPS="0 1"  TRAIN_SET="..." (extra --set for train)
 #   Ablation kinds (one DSpine switch off each, ABLATIONS below): dspine-no-injection
 #   dspine-no-teacher dspine-bidirectional dspine-no-alignment dspine-no-chain dspine-ce;
-#   and dspine-ce-no-alignment (both losses the run-3 ablations found costly, off).
-#   The shipped drafters: STEPS=3000 KINDS="dflash dspine-ce-no-alignment" (run 4)
+#   and dspine-ce-no-alignment (both losses the ablations found costly, off).
+#   The shipped drafters: STEPS=3000 KINDS="dflash dspine-ce-no-alignment"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
