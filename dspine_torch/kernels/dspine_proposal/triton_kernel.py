@@ -42,7 +42,10 @@ def _tile_topk(h_ptr, w_ptr, val_ptr, idx_ptr, N, V, stride_h, stride_w, n_tiles
                     mask=(rows[:, None] < N) & (dd[None, :] < D), other=0.0)
         w = tl.load(w_ptr + cols[:, None] * stride_w + dd[None, :],
                     mask=(cols[:, None] < V) & (dd[None, :] < D), other=0.0)
-        acc = tl.dot(h, tl.trans(w), acc, input_precision=PRECISION)
+        # float32 operands: exact for bf16 values under tf32, and Triton's interpreter
+        # cannot multiply bf16 blocks
+        acc = tl.dot(h.to(tl.float32), tl.trans(w.to(tl.float32)), acc,
+                     input_precision=PRECISION)
     acc = tl.where(cols[None, :] < V, acc, float("-inf"))
     local = tl.arange(0, BLOCK_V)
     out = (rows * n_tiles + pid_v) * C
