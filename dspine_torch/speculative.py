@@ -260,4 +260,4 @@ def _sample_one(logits: torch.Tensor, sampling: Sampling, generator) -> int:
         return int(logits.argmax())
     probs = torch.softmax(warp_logits(logits, sampling.temperature, sampling.top_p,
                                       sampling.top_k), -1)
-    return int(torch.multinomial(probs, 1, generator=generator)[0])
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator)[0])  # CPU generator
