@@ -321,4 +321,4 @@ def test_parity_comparison_fails_on_drift():
     drifted = {**reference, "draft_logits": reference["draft_logits"] + 2e-4,
                "tokens": np.roll(reference["tokens"], 1)}
     failed = {r.stage for r in compare(reference, drifted) if not r.ok}
-    assert failed == {"draft_logits", "tokens"}
+    assert failed == {"draft_logits", "tokens", "token_disagreement"}
