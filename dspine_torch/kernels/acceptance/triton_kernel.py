@@ -155,5 +155,6 @@ def accept(logits: torch.Tensor, draft_tokens: torch.Tensor, q_ids: torch.Tensor
                   q_probs.float().contiguous(), stats_max, stats_arg, stats_sum,
                   u_accept.float().contiguous(), u_next.float().contiguous(), n, nxt,
                   inv_temp, c, S=s, V=v, GREEDY=greedy, SPARSE=sparse,
-                  C_PAD=next_power_of_2(c, minimum=2), BLOCK_V=block_v)
+                  C_PAD=next_power_of_2(c, minimum=2),
+                  BLOCK_V=min(block_v, 256))   # a [BLOCK_V, C] id compare per tile
     return n.long(), nxt.long()

@@ -119,7 +119,7 @@ def _transition(h_ptr, gu_ptr, w_ptr, nw_ptr, e_ptr, cand_ptr, out_ptr, M, C, ep
 
 def transition_table(head, pre_injection: torch.Tensor, gu: torch.Tensor,
                      candidates: torch.Tensor, lm_head: torch.Tensor, *,
-                     block_d: int = 64) -> torch.Tensor:
+                     block_d: int = 32) -> torch.Tensor:
     """pre_injection [N, D], gu [N, C, m], candidates [N, C] -> scores [N, C, C] float32."""
     n, d = pre_injection.shape
     c, m = candidates.shape[1], gu.shape[-1]

@@ -3,8 +3,9 @@
 The readout R_l h ([B, K, D] x [D, r]) is one cuBLAS matmul (torch). Then one kernel,
 grid (B, D / BLOCK_D): each program normalises the block's readouts into phi, forms the
 predecessors by loading the readouts one slot back (the anchor's code for slots 0 and 1),
-computes the gate and the message (three [K, r] x [r, m] products, recomputed by every
-D tile: r x m weights are small and stay in L2), then writes its D tile:
+computes the gate and the message (three [K, r] x [r, m] products over r in BLOCK_R
+chunks, recomputed by every D tile: r x m weights are small and stay in L2), then writes
+its D tile:
 h + rms(h) * (g * u) @ W_l^T for slots >= 1. One launch instead of ~12.
 """
 
@@ -21,42 +22,58 @@ from dspine_torch.kernels.common import next_power_of_2
 
 @triton.jit
 def _inject(h_ptr, z_ptr, code_ptr, a_ptr, bg_ptr, bias_ptr, m_ptr, w_ptr, out_ptr, gate_ptr,
-            K, R, M, scale, K_PAD: tl.constexpr, R_PAD: tl.constexpr, M_PAD: tl.constexpr,
-            D: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+            K, M, scale, R: tl.constexpr, K_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
+            M_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+            PRECISION: tl.constexpr):
     b = tl.program_id(0)
     j = tl.program_id(1)
     kk = tl.arange(0, K_PAD)
-    rr = tl.arange(0, R_PAD)
     mm = tl.arange(0, M_PAD)
-    rmask = rr < R
-    # phi of every slot, and the predecessors (the anchor's code for slots 0 and 1)
-    z = tl.load(z_ptr + (b * K + kk[:, None]) * R + rr[None, :],
-                mask=(kk[:, None] < K) & rmask[None, :], other=0.0)
-    phi = scale * z / tl.maximum(tl.sqrt(tl.sum(z * z, 1)), 1e-6)[:, None]
-    zp = tl.load(z_ptr + (b * K + kk[:, None] - 1) * R + rr[None, :],
-                 mask=(kk[:, None] >= 2) & (kk[:, None] < K) & rmask[None, :], other=0.0)
-    phi_prev = scale * zp / tl.maximum(tl.sqrt(tl.sum(zp * zp, 1)), 1e-6)[:, None]
-    code = tl.load(code_ptr + b * R + rr, mask=rmask, other=0.0)
-    pred = tl.where(kk[:, None] >= 2, phi_prev, code[None, :])
-    wmask = (mm[:, None] < M) & rmask[None, :]
-    a = tl.load(a_ptr + mm[:, None] * R + rr[None, :], mask=wmask, other=0.0)
-    bg = tl.load(bg_ptr + mm[:, None] * R + rr[None, :], mask=wmask, other=0.0)
-    msg_w = tl.load(m_ptr + mm[:, None] * R + rr[None, :], mask=wmask, other=0.0)
-    # Operands are rounded to the weights' dtype (as the reference's linear maps are), then
-    # multiplied in float32: tf32 holds bf16 values exactly, and Triton's interpreter
-    # cannot multiply bf16 blocks.
-    wdt = a.dtype
-    phi_w = phi.to(wdt).to(tl.float32)
-    pred_w = pred.to(wdt).to(tl.float32)
-    a, bg, msg_w = a.to(tl.float32), bg.to(tl.float32), msg_w.to(tl.float32)
+    rows = kk[:, None] < K
+    prev = (kk[:, None] >= 2) & rows
+    # |R_l h| of every slot and of the slot before it (phi = sqrt(r) z / |z|)
+    ssz = tl.zeros((K_PAD,), tl.float32)
+    ssp = tl.zeros((K_PAD,), tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        rr = r0 + tl.arange(0, BLOCK_R)
+        z = tl.load(z_ptr + (b * K + kk[:, None]) * R + rr[None, :],
+                    mask=rows & (rr[None, :] < R), other=0.0)
+        zp = tl.load(z_ptr + (b * K + kk[:, None] - 1) * R + rr[None, :],
+                     mask=prev & (rr[None, :] < R), other=0.0)
+        ssz += tl.sum(z * z, 1)
+        ssp += tl.sum(zp * zp, 1)
+    inv = scale / tl.maximum(tl.sqrt(ssz), 1e-6)
+    inv_prev = scale / tl.maximum(tl.sqrt(ssp), 1e-6)
+    # gate logits and messages, r in chunks. Operands are rounded to the weights' dtype
+    # (as the reference's linear maps are), then multiplied in float32: tf32 holds bf16
+    # values exactly, and Triton's interpreter cannot multiply bf16 blocks.
+    logit = tl.zeros((K_PAD, M_PAD), tl.float32)
+    msg = tl.zeros((K_PAD, M_PAD), tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        rr = r0 + tl.arange(0, BLOCK_R)
+        rmask = rr < R
+        z = tl.load(z_ptr + (b * K + kk[:, None]) * R + rr[None, :],
+                    mask=rows & rmask[None, :], other=0.0)
+        zp = tl.load(z_ptr + (b * K + kk[:, None] - 1) * R + rr[None, :],
+                     mask=prev & rmask[None, :], other=0.0)
+        code = tl.load(code_ptr + b * R + rr, mask=rmask, other=0.0)
+        phi = z * inv[:, None]
+        pred = tl.where(kk[:, None] >= 2, zp * inv_prev[:, None], code[None, :])
+        wmask = (mm[:, None] < M) & rmask[None, :]
+        a = tl.load(a_ptr + mm[:, None] * R + rr[None, :], mask=wmask, other=0.0)
+        bg = tl.load(bg_ptr + mm[:, None] * R + rr[None, :], mask=wmask, other=0.0)
+        mw = tl.load(m_ptr + mm[:, None] * R + rr[None, :], mask=wmask, other=0.0)
+        phi_w = phi.to(a.dtype).to(tl.float32)
+        pred_w = pred.to(a.dtype).to(tl.float32)
+        logit += tl.dot(phi_w, tl.trans(a.to(tl.float32)), input_precision=PRECISION)
+        logit += tl.dot(pred_w, tl.trans(bg.to(tl.float32)), input_precision=PRECISION)
+        msg += tl.dot(pred_w, tl.trans(mw.to(tl.float32)), input_precision=PRECISION)
     bias = tl.load(bias_ptr + mm, mask=mm < M, other=0.0).to(tl.float32)
-    logit = (tl.dot(phi_w, tl.trans(a), input_precision=PRECISION)
-             + tl.dot(pred_w, tl.trans(bg), input_precision=PRECISION) + bias[None, :])
-    gate = tl.sigmoid(logit)
-    gu = gate * tl.dot(pred_w, tl.trans(msg_w), input_precision=PRECISION)
+    gate = tl.sigmoid(logit + bias[None, :])
+    gu = gate * msg
     if j == 0:
         tl.store(gate_ptr + (b * K + kk[:, None]) * M + mm[None, :], gate,
-                 mask=(kk[:, None] < K) & (mm[None, :] < M))
+                 mask=rows & (mm[None, :] < M))
     # rms(h) per slot over the full row
     ss = tl.zeros((K_PAD,), tl.float32)
     for d0 in range(0, D, BLOCK_D):
@@ -81,7 +98,8 @@ def _inject(h_ptr, z_ptr, code_ptr, a_ptr, bg_ptr, bias_ptr, m_ptr, w_ptr, out_p
 
 def inject(h: torch.Tensor, anchor_code: torch.Tensor, readout_weight: torch.Tensor,
            receiver_gate: torch.Tensor, predecessor_gate: torch.Tensor, bias: torch.Tensor,
-           message: torch.Tensor, write: torch.Tensor, *, block_d: int = 128):
+           message: torch.Tensor, write: torch.Tensor, *, block_d: int = 32,
+           block_r: int = 32):
     """Same contract as reference.inject."""
     b, k, d = h.shape
     r, m = readout_weight.shape[0], message.shape[0]
@@ -95,7 +113,7 @@ def inject(h: torch.Tensor, anchor_code: torch.Tensor, readout_weight: torch.Ten
     _inject[(b, triton.cdiv(d, block_d))](
         h, z, anchor_code.float().contiguous(), receiver_gate.to(dtype).contiguous(),
         predecessor_gate.to(dtype).contiguous(), bias.contiguous(),
-        message.to(dtype).contiguous(), write.to(dtype).contiguous(), out, gate, k, r, m,
-        math.sqrt(r), K_PAD=next_power_of_2(k), R_PAD=next_power_of_2(r),
+        message.to(dtype).contiguous(), write.to(dtype).contiguous(), out, gate, k, m,
+        math.sqrt(r), R=r, K_PAD=next_power_of_2(k), BLOCK_R=min(block_r, next_power_of_2(r)),
         M_PAD=next_power_of_2(m), D=d, BLOCK_D=block_d, PRECISION=precision)
     return out, gate
