@@ -54,6 +54,10 @@ def generate(
     batch_size: int = typer.Option(8, "--batch-size", min=1, metavar="B",
                                    help="Prompts decoded together."),
     dtype: str = typer.Option("auto", metavar="auto|bf16|f32"),
+    attention_backend: str = typer.Option(
+        "auto", "--attention-backend", metavar="auto|pallas|xla",
+        help="auto: pallas (the paged-attention kernel) on GPU/TPU, xla elsewhere; pallas "
+             "on the CPU runs the kernel in interpret mode (slow)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per prompt on stdout."),
 ):
     """Generate text: autoregressive, or speculative with a DFlash or DSpine drafter."""
@@ -70,7 +74,8 @@ def generate(
                              "the message to answer)")
         prompts = ([Prompt(prompt, chat)] if prompt is not None
                    else read_prompts_file(prompts_file, chat))
-        pipe = Pipeline.load(target, drafter, method=method, dtype=dtype)
+        pipe = Pipeline.load(target, drafter, method=method, dtype=dtype,
+                             attention_backend=attention_backend)
         options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                        top_k=top_k, seed=seed, ignore_eos=ignore_eos)
         if as_json or len(prompts) > 1:
@@ -146,6 +151,9 @@ def evaluate_command(
         help="Skip (and count) longer prompts; default: whatever fits the context."),
     seed: int = typer.Option(0, metavar="S"),
     dtype: str = typer.Option("auto", metavar="auto|bf16|f32"),
+    attention_backend: str = typer.Option(
+        "auto", "--attention-backend", metavar="auto|pallas|xla",
+        help="auto: pallas on GPU/TPU, xla elsewhere."),
 ):
     """Acceptance length, tokens/s and speedup over AR on the benchmark suite."""
     try:
@@ -160,7 +168,8 @@ def evaluate_command(
             raise InputError(f"unknown benchmark(s) {unknown}; known: {', '.join(BENCHMARKS)}")
         evaluate(target, drafter, names, out, temperature=temperature,
                  max_new_tokens=max_new_tokens, limit=limit, batch_size=batch_size, seed=seed,
-                 dtype=dtype, max_prompt_tokens=max_prompt_tokens)
+                 dtype=dtype, max_prompt_tokens=max_prompt_tokens,
+                 attention_backend=attention_backend)
     except DSpineError as e:
         _fail(e)
     typer.echo((out / "results.md").read_text())

@@ -170,7 +170,7 @@ class DraftContext:
 
 @dataclasses.dataclass
 class DraftOutput:
-    logits: torch.Tensor                # [B, K, V] float32 base logits (slot 0 unused)
+    logits: torch.Tensor | None         # [B, K, V] float32 base logits (slot 0 unused)
     hidden: torch.Tensor                # [B, K, D] after the final norm
     pre_injection: torch.Tensor | None  # [B, K, D] last layer before its injection (DSpine)
     gates: torch.Tensor | None          # [L] mean gate per layer over slots 1.. (DSpine)
@@ -289,21 +289,25 @@ class DFlashDraftModel(PreTrainedModel):
         return torch.cat([ctx, inside], 1).expand(batch, -1, -1)
 
     def forward(self, anchor: torch.Tensor, context: DraftContext, input_embedding: torch.Tensor,
-                output_embedding: torch.Tensor) -> DraftOutput:
+                output_embedding: torch.Tensor, *, compute_logits: bool = True,
+                inject=None) -> DraftOutput:
         """Draft one block per row: anchor [B] at position context.length; E_in, E_out
-        [V, D] are the target's frozen tables."""
+        [V, D] are the target's frozen tables. `compute_logits=False` skips the [B, K, V]
+        base logits (a caller that takes top-C from `hidden` itself); `inject`, where
+        given, replaces DSpine's write after each layer: (layer, h [B, K, D], sqrt(r)
+        c_anchor [B, r]) -> (h after the write, gate [B, K, m]) (a fused kernel)."""
         b, k = anchor.shape[0], self.block_size
         tokens = torch.cat([anchor[:, None], anchor.new_full((b, k - 1), self.mask_token_id)], 1)
         x = input_embedding[tokens].to(self.compute_dtype)                 # [B, K, D]
         positions = context.length + torch.arange(k, device=anchor.device).expand(b, -1)
         cos, sin = self.rope(positions)
         mask = self.block_mask(b, context.length, anchor.device)
-        record = {"pre_injection": None, "gates": []}
+        record = {"pre_injection": None, "gates": [], "inject": inject}
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, context.keys[i], context.values[i], mask)
             x = self.after_layer(i, x, anchor, output_embedding, record)
         final = self.norm(x)
-        logits = final.float() @ output_embedding.float().T
+        logits = final.float() @ output_embedding.float().T if compute_logits else None
         gates = torch.stack(record["gates"]) if record["gates"] else None
         return DraftOutput(logits=logits, hidden=final, pre_injection=record["pre_injection"],
                            gates=gates)
@@ -405,6 +409,10 @@ class DSpineDraftModel(DFlashDraftModel):
     def after_layer(self, layer, x, anchor, output_embedding, record):
         record["pre_injection"] = x
         if not self.config.switch("injection"):
+            return x
+        if record.get("inject") is not None:
+            x, gate = record["inject"](layer, x, self.codes(anchor, output_embedding))
+            record["gates"].append(gate[:, 1:].mean())
             return x
         phi = self.injection.feature(layer, x)                             # [B, K, r]
         code = self.codes(anchor, output_embedding)[:, None]               # [B, 1, r]

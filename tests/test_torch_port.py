@@ -321,4 +321,22 @@ def test_parity_comparison_fails_on_drift():
     drifted = {**reference, "draft_logits": reference["draft_logits"] + 2e-4,
                "tokens": np.roll(reference["tokens"], 1)}
     failed = {r.stage for r in compare(reference, drifted) if not r.ok}
-    assert failed == {"draft_logits", "tokens"}
+    assert failed == {"draft_logits", "tokens", "token_disagreement"}
+
+
+def test_bf16_tolerances_scale_the_float32_noise_floor():
+    """bf16 is judged against the float32 pair of the same prompt: a stage's tolerance is
+    that pair's max difference times 2^16 (u_bf16 / u_f32), never a hand-set number."""
+    from dspine_jax.parity import BF16_OVER_F32, F32_ULP, compare
+
+    reference = unpack(golden("dspine"), 0)
+    with pytest.raises(ValueError, match="noise floor"):
+        compare(reference, reference, "bfloat16")
+    floor = {"draft_logits": 1e-5, "features": 0.0}
+    drifted = {**reference, "draft_logits": reference["draft_logits"] + 0.9e-5 * BF16_OVER_F32,
+               "features": reference["features"] + 0.5}
+    rows = {r.stage: r for r in compare(reference, drifted, "bfloat16", floor)}
+    assert rows["draft_logits"].ok and rows["draft_logits"].tolerance == 1e-5 * BF16_OVER_F32
+    scale = float(np.max(np.abs(reference["features"])))
+    assert rows["features"].tolerance == pytest.approx(F32_ULP * scale * BF16_OVER_F32)
+    assert not rows["features"].ok

@@ -1,0 +1,121 @@
+"""Where a decoding step spends its time: a jax.profiler trace of compiled AR steps and
+speculative passes, summarised as the top operations by time per pass.
+
+  python -m dspine_benchmarks.profile_step --target preset:qwen3-8b --methods ar dspine \\
+      --batch 1 --context 1024 --attention-backend pallas --out profile.json
+
+For each method it prefills random prompts, runs the compiled decode loop once to warm up,
+then traces `--calls` host calls (`--steps-per-call` passes each) and reads the Perfetto
+trace JAX writes: device kernels on a GPU, XLA's per-op events on a CPU. Operations are
+grouped by name (fusions keep XLA's names, kernels their own), summed, divided by the
+number of passes, and listed with their share of the traced device time. The trace
+folder stays in `--trace-dir` for Perfetto or TensorBoard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import tempfile
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from dspine_benchmarks.decode_step import load_jax_target, pool_pages, with_context
+from dspine_benchmarks.spec_step import make_decoder
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--target", default="preset:smollm2-135m")
+    p.add_argument("--methods", nargs="+", default=["ar", "dspine"])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--context", type=int, default=None, help="cache length (default: prompt)")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "xla"])
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--steps-per-call", type=int, default=8)
+    p.add_argument("--calls", type=int, default=4)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--draft-layers", type=int, default=5)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--top", type=int, default=15, help="operations listed per method")
+    p.add_argument("--trace-dir", default=None, help="keep the traces here (default: temp)")
+    p.add_argument("--out", default=None, help="write the summary as JSON")
+    return p.parse_args()
+
+
+def device_events(trace: dict) -> list[dict]:
+    """Complete events that ran on a device: a GPU's stream tracks where the trace has
+    them, else XLA's op events of a CPU run (named after HLO ops, not Python frames)."""
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"]
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    gpu = [e for e in events if "/device:GPU" in names.get(e["pid"], "")]
+    if gpu:
+        return gpu
+    return [e for e in events if "hlo_op" in e.get("args", {})
+            or "long_name" in e.get("args", {})]
+
+
+def summarise(events: list[dict], passes: int, top: int) -> dict:
+    per_op = collections.Counter()
+    for e in events:
+        per_op[e["name"]] += e["dur"]  # microseconds
+    total = sum(per_op.values())
+    rows = [{"op": name, "us_per_pass": us / passes, "share": us / max(total, 1e-9)}
+            for name, us in per_op.most_common(top)]
+    return {"device_us_per_pass": total / passes, "top": rows}
+
+
+def profile(method: str, model, config, args, trace_dir: Path) -> dict:
+    context = args.context or args.prompt_len
+    passes = args.calls * args.steps_per_call
+    new_tokens = context - args.prompt_len + 4 * (args.calls + 2) * args.steps_per_call
+    num_pages = pool_pages(args.batch, args.prompt_len + new_tokens + args.block_size,
+                           args.page_size)
+    decoder, _ = make_decoder(method, model, config, args, args.attention_backend, num_pages)
+    prompts = np.random.default_rng(0).integers(0, config.vocab_size,
+                                                size=(args.batch, args.prompt_len)).tolist()
+    run = decoder.prepare(prompts, max_new_tokens=new_tokens, ignore_eos=True)
+    state = run.decode(with_context(run.prefill(), context))  # compiled and warm
+    jax.block_until_ready(state)
+    folder = trace_dir / method
+    with jax.profiler.trace(str(folder), create_perfetto_trace=True):
+        for _ in range(args.calls):
+            state = run.decode(state)
+            jax.device_get(state.num_generated)
+    [path] = sorted(folder.rglob("*.trace.json.gz"))[-1:]
+    with gzip.open(path) as f:
+        trace = json.load(f)
+    summary = summarise(device_events(trace), passes, args.top)
+    return {"method": method, "attention_backend": decoder.attention.name, "batch": args.batch,
+            "context": context, "passes": passes, "trace": str(path), **summary}
+
+
+def main():
+    args = parse_args()
+    context = args.context or args.prompt_len
+    positions = context + 4 * (args.calls + 2) * args.steps_per_call + args.block_size
+    model, config, _ = load_jax_target(args.target, args.dtype, positions)
+    trace_dir = Path(args.trace_dir or tempfile.mkdtemp(prefix="dspine-profile-"))
+    results = []
+    for method in args.methods:
+        result = profile(method, model, config, args, trace_dir)
+        results.append(result)
+        print(f"\n{method} ({result['attention_backend']}, batch {args.batch}, context "
+              f"{context}): {result['device_us_per_pass']:.0f} us of device time per pass")
+        print(f"{'us/pass':>9} {'share':>6}  op")
+        for row in result["top"]:
+            print(f"{row['us_per_pass']:9.1f} {row['share']:6.1%}  {row['op'][:100]}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"target": args.target, "device": str(
+            jax.devices()[0]), "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,252 @@
+"""Time dspine_torch's Triton kernels against their PyTorch references, and the PyTorch
+speculative loop's tokens/s at batch 1.
+
+    PYTHONPATH=. python benchmarks/torch_kernels.py --out torch_kernels.json      # CUDA
+    PYTHONPATH=. python benchmarks/torch_kernels.py --device cpu                  # smoke
+
+Kernels (bf16 weights and hidden states, float32 logits), per shape and batch (1, 8):
+  vocab_topk      top-C per drafted slot from the final hidden states and the lm_head
+                  (the reference materialises [B * (K-1), V] float32 logits, then topk)
+  transition      the C x C transition table of every slot (write, norm, C lm_head rows)
+  chain_walk      the walk over K-1 slots at T = 0 and at T = 0.8 / top-p 0.9 / top-k 20
+  injection       one drafter layer's gated write (readout matmul + fused kernel)
+  acceptance      the verification rule of a block over the target's [B, K, V] logits,
+                  T = 0 and T = 0.8 with sparse q
+Shapes: Qwen3-8B-like (D 4096, V 151936, r 512, m 256, K 16, C 16) and SmolLM2-135M
+(D 576, V 49152, r 512, m 256, K 16, C 16); `--device cpu` uses a tiny shape (D 64,
+V 512, r 16, m 8, K 5, C 4) and Triton's interpreter (its timings mean nothing; it checks
+that the script runs).
+
+Timing: CUDA events around n back-to-back calls after a warm-up, median of repeats, in
+microseconds per call. Bytes per call = what the op must read and write at least (the
+lm_head for vocab_topk, the logits for acceptance, the layer's weights and hidden states
+for injection, ...); GB/s is that over the time and "% copy" its share of a measured
+device-to-device copy (read + write bytes of a 1 GiB copy).
+
+The loop: `dspine_torch.speculative.generate` on the golden fixtures' tiny target and
+drafters (tests/fixtures/torch_port), T = 0 and T = 0.8, implementation torch vs triton;
+tokens/s over 64 new tokens, after one warm-up generation. At these sizes the figure is
+the loop's per-step overhead (Python, launches, host syncs), not model compute.
+
+Imports only torch, triton, transformers (for the loop) and dspine_torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+SHAPES = {"qwen3-8b": dict(d=4096, v=151936, r=512, m=256, k=16, c=16),
+          "smollm2-135m": dict(d=576, v=49152, r=512, m=256, k=16, c=16),
+          "tiny": dict(d=64, v=512, r=16, m=8, k=5, c=4)}
+FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "torch_port"
+
+
+def parse():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--shapes", default=None, help="comma list of " + ", ".join(SHAPES))
+    ap.add_argument("--batches", default=None, help="comma list (default 1,8; cpu: 1)")
+    ap.add_argument("--iters", type=int, default=None, help="calls per timing (default 50)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--skip-loop", action="store_true")
+    ap.add_argument("--out", default=None, help="write the rows as JSON")
+    return ap.parse_args()
+
+
+def main():
+    args = parse()
+    if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is imported
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("no CUDA device: run with --device cpu for the smoke run")
+    import triton
+
+    from dspine_torch.kernels import acceptance, dspine_proposal, gated_injection
+    from dspine_torch.kernels.dspine_proposal import ChainHead
+
+    device = torch.device(args.device)
+    cpu = args.device == "cpu"
+    shapes = (args.shapes.split(",") if args.shapes else (["tiny"] if cpu else
+                                                           ["qwen3-8b", "smollm2-135m"]))
+    batches = [int(b) for b in (args.batches.split(",") if args.batches else
+                                (["1"] if cpu else ["1", "8"]))]
+    iters = args.iters or (2 if cpu else 50)
+    repeats = 1 if cpu else args.repeats
+    bf16 = torch.bfloat16
+
+    def timed(fn) -> float:
+        """Microseconds per call: median over repeats of (n calls) / n."""
+        fn()
+        if not cpu:
+            torch.cuda.synchronize()
+        samples = []
+        for _ in range(repeats):
+            if cpu:
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    fn()
+                samples.append((time.perf_counter() - t0) / iters * 1e6)
+            else:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                    enable_timing=True)
+                start.record()
+                for _ in range(iters):
+                    fn()
+                end.record()
+                torch.cuda.synchronize()
+                samples.append(start.elapsed_time(end) / iters * 1e3)
+        return statistics.median(samples)
+
+    copy_gbs = None
+    if not cpu:
+        src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        us = timed(lambda: dst.copy_(src))
+        copy_gbs = 2 * src.numel() / us / 1e3
+        del src, dst
+    print(f"device: {torch.cuda.get_device_name() if not cpu else 'cpu (Triton interpreter)'}; "
+          f"torch {torch.__version__}, triton {triton.__version__}; copy bandwidth "
+          f"{copy_gbs and round(copy_gbs)} GB/s")
+
+    rows = []
+
+    def record(shape, batch, op, variant, ref_us, tri_us, nbytes):
+        row = dict(shape=shape, batch=batch, op=op, variant=variant, torch_us=round(ref_us, 1),
+                   triton_us=round(tri_us, 1), speedup=round(ref_us / tri_us, 2),
+                   bytes=int(nbytes), triton_gbs=round(nbytes / tri_us / 1e3, 1),
+                   torch_gbs=round(nbytes / ref_us / 1e3, 1))
+        if copy_gbs:
+            row["triton_pct_copy"] = round(100 * row["triton_gbs"] / copy_gbs, 1)
+        rows.append(row)
+        print(f"{shape:13s} bs{batch:<2d} {op:11s} {variant:10s} torch {ref_us:9.1f} us  "
+              f"triton {tri_us:9.1f} us  x{ref_us / tri_us:5.2f}  "
+              f"{row['triton_gbs']:8.1f} GB/s" + (f" ({row['triton_pct_copy']}% copy)"
+                                                  if copy_gbs else ""))
+
+    g = torch.Generator().manual_seed(0)
+
+    def randn(*shape, dtype=torch.float32, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device, dtype)
+
+    for name in shapes:
+        s = SHAPES[name]
+        d, v, r, m, k, c = s["d"], s["v"], s["r"], s["m"], s["k"], s["c"]
+        lm_head = randn(v, d, dtype=bf16, scale=0.02)
+        head = ChainHead(readout=randn(r, d, dtype=bf16, scale=0.02),
+                         receiver_gate=randn(m, r, dtype=bf16, scale=0.05),
+                         predecessor_gate=randn(m, r, dtype=bf16, scale=0.05),
+                         bias=randn(m, dtype=bf16), message=randn(m, r, dtype=bf16, scale=0.05),
+                         write=randn(d, m, dtype=bf16, scale=0.05),
+                         norm_weight=torch.ones(d, dtype=bf16, device=device), eps=1e-6,
+                         whiten=randn(d, r, scale=0.1), mean=randn(d, scale=0.01))
+        for batch in batches:
+            n = batch * (k - 1)
+            hidden = randn(n, d, dtype=bf16)
+            both = {impl: (lambda impl=impl: dspine_proposal.vocab_topk(
+                hidden, lm_head, c, implementation=impl)) for impl in ("torch", "triton")}
+            record(name, batch, "vocab_topk", f"C={c}", timed(both["torch"]),
+                   timed(both["triton"]), v * d * 2 + n * d * 2 + n * c * 12)
+            _, ids = dspine_proposal.vocab_topk(hidden, lm_head, c)
+            preds = ids.roll(1, 0)
+            gu = dspine_proposal.gated_messages(head, hidden, preds, lm_head)
+            both = {impl: (lambda impl=impl: dspine_proposal.transition_table(
+                head, hidden, gu, ids, lm_head, implementation=impl))
+                for impl in ("torch", "triton")}
+            record(name, batch, "transition", f"C={c}", timed(both["torch"]),
+                   timed(both["triton"]), n * (c * d * 2 + d * 2 + c * m * 4 + c * c * 4)
+                   + d * m * 2)
+            table = dspine_proposal.transition_table(head, hidden, gu, ids, lm_head)
+            table = table.reshape(batch, k - 1, c, c)
+            cands = ids.reshape(batch, k - 1, c)
+            u = torch.rand(batch, k - 1, generator=g).to(device)
+            for variant, warp in (("T=0", (0.0, 1.0, 0)), ("T=0.8", (0.8, 0.9, 20))):
+                both = {impl: (lambda impl=impl: dspine_proposal.chain_walk(
+                    table, cands, *warp, u, implementation=impl)) for impl in ("torch", "triton")}
+                record(name, batch, "chain_walk", variant, timed(both["torch"]),
+                       timed(both["triton"]), table.numel() * 4 // c + cands.numel() * 8 * 2)
+            h = randn(batch, k, d, dtype=bf16)
+            code = randn(batch, r)
+            weights = (head.readout, head.receiver_gate, head.predecessor_gate, head.bias,
+                       head.message, head.write)
+            both = {impl: (lambda impl=impl: gated_injection.inject(
+                h, code, *weights, implementation=impl)) for impl in ("torch", "triton")}
+            record(name, batch, "injection", f"r={r},m={m}", timed(both["torch"]),
+                   timed(both["triton"]), 2 * (r * d + 3 * m * r + d * m) + 2 * h.numel() * 2)
+            logits = randn(batch, k, v, scale=3.0)
+            draft = logits[:, :-1].argmax(-1)
+            draft[:, k // 2] = (draft[:, k // 2] + 1) % v
+            probs = torch.softmax(randn(batch, k - 1, c), -1)
+            q_ids = torch.cat([draft[..., None], ids.reshape(batch, k - 1, c)[..., 1:]], -1)
+            u_a, u_n = torch.rand(batch, k - 1).to(device), torch.rand(batch).to(device)
+            for variant, temp in (("T=0", 0.0), ("T=0.8", 0.8)):
+                both = {impl: (lambda impl=impl: acceptance.accept(
+                    logits, draft, q_ids, probs, temp, 1.0, 0, u_a, u_n, implementation=impl))
+                    for impl in ("torch", "triton")}
+                record(name, batch, "acceptance", variant, timed(both["torch"]),
+                       timed(both["triton"]), logits.numel() * 4)
+            del logits
+        del lm_head
+
+    loop_rows = [] if args.skip_loop else loop_tokens_per_second(device, cpu)
+    if args.out:
+        Path(args.out).write_text(json.dumps({
+            "date": datetime.date.today().isoformat(),
+            "device": torch.cuda.get_device_name() if not cpu else "cpu",
+            "torch": torch.__version__, "triton": triton.__version__,
+            "copy_gbs": copy_gbs, "kernels": rows, "loop": loop_rows}, indent=1))
+
+
+def loop_tokens_per_second(device, cpu: bool):
+    import torch
+    import transformers
+
+    from dspine_torch import load_drafter
+    from dspine_torch.speculative import Sampling, generate
+
+    sys.path.insert(0, str(FIXTURES.parents[2]))
+    from tests.torch_port_golden import PROMPTS
+
+    target = transformers.AutoModelForCausalLM.from_pretrained(
+        FIXTURES / "target", dtype=torch.float32).eval().to(device)
+    new = 16 if cpu else 64
+    rows = []
+    for kind in ("dflash", "dspine"):
+        drafter = load_drafter(FIXTURES / kind).to(device)
+        for temperature in (0.0, 0.8):
+            sampling = Sampling(temperature=temperature, top_p=0.95 if temperature else 1.0)
+            for impl in ("torch", "triton"):
+                def run():
+                    return generate(target, drafter, PROMPTS[0], max_new_tokens=new,
+                                    sampling=sampling, seed=0, ignore_eos=True,
+                                    implementation=impl)
+                run()
+                if not cpu:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                gen = run()
+                if not cpu:
+                    torch.cuda.synchronize()
+                seconds = time.perf_counter() - t0
+                tau = len(gen.tokens) / max(1, len(gen.accept_lengths))
+                row = dict(drafter=kind, temperature=temperature, implementation=impl,
+                           tokens=len(gen.tokens), seconds=round(seconds, 4),
+                           tokens_per_s=round(len(gen.tokens) / seconds, 1),
+                           tokens_per_verify=round(tau, 2))
+                rows.append(row)
+                print(f"loop bs1 {kind:7s} T={temperature:<4} {impl:7s} "
+                      f"{row['tokens_per_s']:8.1f} tok/s  tau {row['tokens_per_verify']}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""The profile summary reads the right events out of a Perfetto trace."""
+
+from __future__ import annotations
+
+import pytest
+
+from dspine_benchmarks.profile_step import device_events, summarise
+
+
+def trace(with_gpu: bool) -> dict:
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}}]
+    events = [
+        {"ph": "X", "pid": 1, "name": "PjitFunction(decode)", "dur": 900},   # a Python frame
+        {"ph": "X", "pid": 1, "name": "fusion.3", "dur": 40, "args": {"hlo_op": "fusion.3"}},
+    ]
+    if with_gpu:
+        meta.append({"ph": "M", "name": "process_name", "pid": 7,
+                     "args": {"name": "/device:GPU:0"}})
+        events += [{"ph": "X", "pid": 7, "name": "ragged_paged_attention", "dur": 30},
+                   {"ph": "X", "pid": 7, "name": "gemm_fusion", "dur": 50},
+                   {"ph": "X", "pid": 7, "name": "ragged_paged_attention", "dur": 20},
+                   {"ph": "i", "pid": 7, "name": "marker"}]
+    return {"traceEvents": meta + events}
+
+
+def test_gpu_kernels_are_summed_per_pass_and_host_frames_ignored():
+    summary = summarise(device_events(trace(True)), passes=2, top=5)
+    assert summary["device_us_per_pass"] == 50
+    assert [(r["op"], r["us_per_pass"]) for r in summary["top"]] == [
+        ("ragged_paged_attention", 25), ("gemm_fusion", 25)]
+    assert sum(r["share"] for r in summary["top"]) == pytest.approx(1.0)
+
+
+def test_a_cpu_trace_falls_back_to_xla_op_events():
+    summary = summarise(device_events(trace(False)), passes=1, top=5)
+    assert [r["op"] for r in summary["top"]] == ["fusion.3"]
