@@ -404,6 +404,9 @@ def serve_command(
                                         help="On SIGTERM, how long requests in flight may "
                                              "run before they are cancelled."),
     dtype: str = typer.Option("auto", metavar="auto|bf16|f32"),
+    attention_backend: str = typer.Option(
+        "auto", "--attention-backend", metavar="auto|pallas|xla",
+        help="auto: pallas on GPU/TPU, xla elsewhere."),
 ):
     """Serve /v1/completions and /v1/chat/completions (streaming too), /v1/models, /health
     and /metrics over one target, decoded AR or speculatively."""
@@ -417,7 +420,8 @@ def serve_command(
             raise ConfigError(f"serving needs the serve extra: pip install 'dspine-jax[serve]' "
                               f"({e})") from e
         resolve_dtype(dtype)
-        pipe = Pipeline.load(target, drafter, method=method, dtype=dtype)
+        pipe = Pipeline.load(target, drafter, method=method, dtype=dtype,
+                             attention_backend=attention_backend)
         context = pipe.target.config.max_position_embeddings
         if max_model_len is not None and max_model_len > context:
             raise InputError(f"--max-model-len {max_model_len} is past the model's context "

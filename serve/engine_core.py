@@ -8,7 +8,7 @@ it; `dspine_serve.engine_loop` runs it in the server's background thread.
 
 How it sits on today's decoders (`AutoregressiveGenerator`, `SpeculativeEngine`), which
 decode a batch that is fixed from prefill to the end:
-  * Every slot is the decoder's own batch-of-one `DecodeState` (its own dense KV cache of
+  * Every slot is the decoder's own batch-of-one `DecodeState` (its own KV page pool of
     `max_model_len` positions, output buffer, acceptance record and RNG key); the slots
     are stacked on a leading axis and the decoder's compiled step loop runs over them
     under `jax.vmap`. Rows never mix, so a request's tokens depend on its own prompt,
@@ -18,11 +18,13 @@ decode a batch that is fixed from prefill to the end:
   * Admission is per step: a waiting request is prefilled (several at once, as one vmapped
     call) and written into a free slot between decode calls; a finished or aborted slot is
     frozen (`done`) and free for the next request at once.
-  * What waits for the slot engine on the paged KV cache: every slot reserves a whole
-    `max_model_len` cache whether its request uses 20 positions or 2,000 (so capacity is
-    slots x max_model_len, not free pages), and every decode call computes all slots,
-    running or not. The paged engine admits by free pages and computes only live rows;
-    this interface (`add_request`, `abort`, `step`, `stats`) stays as it is.
+  * What waits for the slot engine on one shared page pool: every slot reserves pages for
+    a whole `max_model_len` whether its request uses 20 positions or 2,000 (so capacity
+    is slots x max_model_len, not free pages), and every decode call computes all slots,
+    running or not. A shared pool admitted by free pages needs the decoders to draw
+    samples from per-row RNG keys (`DecodeState.rng` is one key per batch today, which
+    is why the slots are vmapped batches of one). This interface (`add_request`, `abort`,
+    `step`, `stats`) stays as it is.
 
 Stop token ids and EOS end a request here (the EOS is kept in its tokens, as the library
 does); stop strings need text and are applied by the server on detokenized output (it then
@@ -47,6 +49,7 @@ import numpy as np
 
 from dspine_jax.decoding import BatchDecoder, DecodeState, bucket
 from dspine_jax.errors import InputError
+from dspine_jax.kv_cache import pages_needed
 from dspine_jax.sampling import SamplingParams, validate_sampling
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -382,8 +385,10 @@ def _compiled(decoder: BatchDecoder, key: tuple, make):
 
 def _row_prefill(decoder: BatchDecoder, capacity: int, params, tokens, length, budget, seed,
                  sampling, ignore):
-    """One request as the decoder's batch of one: tokens [1, P] -> DecodeState (B = 1)."""
-    caches = decoder.create_caches(1, capacity)
+    """One request as the decoder's batch of one: tokens [1, P] -> DecodeState (B = 1),
+    its caches a private page pool holding the slot's whole capacity (pages 0 .. PPS-1)."""
+    width = pages_needed(capacity, decoder.page_size)
+    caches = decoder.create_caches(np.arange(width, dtype=np.int32)[None], width)
     return decoder._prefill_fn(params, tokens, length, caches, sampling, budget,
                                jax.random.key(seed), ignore, capacity)
 
