@@ -374,6 +374,122 @@ def train(
                + (f"; drafter exported to {summary['drafter']}" if "drafter" in summary else ""))
 
 
+@app.command("serve", short_help="OpenAI-compatible HTTP server (completions, chat).")
+def serve_command(
+    target: str = typer.Option(DEFAULT_TARGET, metavar="NAME|PATH",
+                               help="Built-in name, HF folder or .gguf file."),
+    method: Optional[str] = typer.Option(
+        None, metavar="ar|dflash|dspine",
+        help="Default: the drafter's kind with --drafter, else ar. Without --drafter, "
+             "dflash or dspine use the target's built-in drafter of that kind."),
+    drafter: Optional[str] = typer.Option(None, metavar="NAME|PATH",
+                                          help="Built-in drafter name or checkpoint folder."),
+    max_slots: int = typer.Option(8, "--max-slots", min=1, metavar="N",
+                                  help="Requests decoded together (each slot reserves a "
+                                       "--max-model-len KV cache)."),
+    max_model_len: Optional[int] = typer.Option(
+        None, "--max-model-len", min=2, metavar="N",
+        help="Prompt + output positions per request; default: the model's context or "
+             "2048, whichever is less (every slot reserves, and attends over, all of it)."),
+    max_queue: int = typer.Option(256, "--max-queue", min=0, metavar="N",
+                                  help="Requests waiting for a slot; more get HTTP 429."),
+    host: str = typer.Option("127.0.0.1", metavar="HOST",
+                             help="Address to bind (0.0.0.0 exposes the server to the "
+                                  "network; it has no authentication)."),
+    port: int = typer.Option(8000, min=0, max=65535, metavar="P"),
+    served_model_name: Optional[str] = typer.Option(
+        None, "--served-model-name", metavar="NAME",
+        help="The model id clients send; default: --target as given."),
+    grace_seconds: float = typer.Option(30.0, "--grace-seconds", min=0, metavar="S",
+                                        help="On SIGTERM, how long requests in flight may "
+                                             "run before they are cancelled."),
+    dtype: str = typer.Option("auto", metavar="auto|bf16|f32"),
+    attention_backend: str = typer.Option(
+        "auto", "--attention-backend", metavar="auto|pallas|xla",
+        help="auto: pallas on GPU/TPU, xla elsewhere."),
+):
+    """Serve /v1/completions and /v1/chat/completions (streaming too), /v1/models, /health
+    and /metrics over one target, decoded AR or speculatively."""
+    try:
+        from dspine_jax.api import Pipeline
+        from dspine_jax.checkpoints import resolve_dtype
+
+        try:
+            from dspine_serve.server import run
+        except ImportError as e:
+            raise ConfigError(f"serving needs the serve extra: pip install 'dspine-jax[serve]' "
+                              f"({e})") from e
+        resolve_dtype(dtype)
+        pipe = Pipeline.load(target, drafter, method=method, dtype=dtype,
+                             attention_backend=attention_backend)
+        context = pipe.target.config.max_position_embeddings
+        if max_model_len is not None and max_model_len > context:
+            raise InputError(f"--max-model-len {max_model_len} is past the model's context "
+                             f"of {context}")
+        max_model_len = max_model_len or min(context, 2048)
+        run(pipe, model_name=served_model_name or target, host=host, port=port,
+            max_slots=max_slots, max_model_len=max_model_len, max_queue=max_queue,
+            grace_seconds=grace_seconds)
+    except DSpineError as e:
+        _fail(e)
+
+
+bench_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
+                        context_settings=HELP_SETTINGS, help="Benchmarks of running services.")
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("serve", short_help="Load-test a running server (bench_serving-style).",
+                   context_settings={"allow_extra_args": True, **HELP_SETTINGS})
+def bench_serve_command(
+    ctx: typer.Context,
+    base_url: str = typer.Option(..., "--base-url", metavar="URL",
+                                 help="The server, e.g. http://127.0.0.1:8000 (loopback "
+                                      "only)."),
+    prompts: str = typer.Option("sharegpt:heldout", metavar="sharegpt:heldout|FILE.jsonl",
+                                help='Prompt source; JSONL lines are {"prompt": ..., "chat": '
+                                     "true|false}."),
+    num_prompts: int = typer.Option(64, "--num-prompts", min=1, metavar="N",
+                                    help="Requests per concurrency level."),
+    concurrency: list[int] = typer.Option(
+        [1, 8, 32, 64], "--concurrency", metavar="C [C ...]",
+        help="Concurrency levels: --concurrency 1 8 32 64."),
+    request_rate: float = typer.Option(float("inf"), "--request-rate", metavar="R",
+                                       help="Poisson arrivals per second; inf sends all at "
+                                            "once."),
+    max_tokens: int = typer.Option(128, "--max-tokens", min=1, metavar="N"),
+    temperature: float = typer.Option(0.0, metavar="T"),
+    ignore_eos: bool = typer.Option(True, "--ignore-eos/--stop-at-eos",
+                                    help="Fixed output lengths (bench_serving's default)."),
+    timeout: float = typer.Option(600.0, "--timeout", min=1, metavar="S",
+                                  help="Per-request time limit."),
+    out: Optional[Path] = typer.Option(None, "--out", metavar="DIR",
+                                       help="Folder for results.json and results.png."),
+):
+    """Streaming requests at each concurrency level: output tokens/s, request throughput,
+    TTFT and inter-token latency p50/p99, acceptance length, failed requests."""
+    try:
+        from dspine_serve.bench import bench_serve
+
+        levels = list(concurrency)
+        if ctx.args and ctx.get_parameter_source("concurrency").name == "DEFAULT":
+            raise InputError(f"unexpected argument(s) {' '.join(ctx.args)}")
+        for extra in ctx.args:  # `--concurrency 1 8 32`: click hands over 8 and 32 here
+            if not extra.isdigit() or int(extra) < 1:
+                raise InputError(f"unexpected argument {extra!r}")
+            levels.append(int(extra))
+        result = bench_serve(base_url, prompts=prompts, num_prompts=num_prompts,
+                             concurrency=levels, request_rate=request_rate,
+                             max_tokens=max_tokens, temperature=temperature,
+                             ignore_eos=ignore_eos, out=out, timeout=timeout,
+                             log=lambda line: typer.echo(line, err=True))
+    except DSpineError as e:
+        _fail(e)
+    print(json.dumps(result["levels"], indent=2, default=str))
+    if out is not None:
+        typer.echo(f"wrote {out / 'results.json'} and {out / 'results.png'}", err=True)
+
+
 def _empty_folder(path: str):
     """Refuse to write over anything: nothing already written is lost."""
     from pathlib import Path

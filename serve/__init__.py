@@ -1,2 +1,11 @@
-"""Serving front end (OpenAI-compatible HTTP server, benchmark client): not started.
-`dspine_jax.api.Pipeline` is the interface it will wrap."""
+"""Serving front end: an OpenAI-compatible HTTP server over `dspine_jax` decoders.
+
+  engine_core   EngineCore: add_request / abort / step / stats over fixed slots
+  engine_loop   the core in one background thread; queues to and from the HTTP layer
+  detokenizer   incremental text with stop strings
+  protocol      OpenAI request models and error bodies
+  app           FastAPI routes (/v1/completions, /v1/chat/completions, /v1/models,
+                /health, /metrics); metrics: Prometheus
+  server        `dspine serve`: build, compile, run uvicorn, drain on SIGTERM
+  bench         `dspine bench serve`: a bench_serving-style load generator
+"""

@@ -1,0 +1,587 @@
+"""The serving front end keeps its promises: the engine core equals offline generation, the
+HTTP server answers the OpenAI protocol under load, frees slots of clients that leave,
+refuses bad requests with 4xx and overload with 429 and keeps serving, shuts down
+gracefully, and starts again after a kill.
+
+One tiny random Llama (tests/conftest.py) with a tiny DSpine drafter serves every
+in-process test; the restart test runs `dspine serve` (AR) as a subprocess. Every request
+goes to 127.0.0.1, and every loop is bounded in count and time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+uvicorn = pytest.importorskip("uvicorn")
+
+from dspine_jax.api import Pipeline  # noqa: E402
+from dspine_jax.checkpoints import load_target  # noqa: E402
+from dspine_jax.errors import InputError  # noqa: E402
+from dspine_serve.detokenizer import IncrementalDetokenizer  # noqa: E402
+from dspine_serve.engine_core import EngineCore, SamplingOptions  # noqa: E402
+from dspine_serve.server import DrainingServer, build  # noqa: E402
+
+SLOTS = 8
+CONTEXT = 256
+PLAIN = ["the quick brown fox", "hello world", "def f(x):", "the lazy dog", "over the",
+         "jumps over the lazy dog", "brown fox hello", "world def"]
+CHAT = ["hello", "what is the quick fox?", "def f(x): return x", "say hello world",
+        "the dog", "fox", "jumps", "lazy brown dog jumps"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_llama_dir, tmp_path_factory) -> Pipeline:
+    from dspine_jax.drafters.checkpoint import save_drafter
+    from dspine_jax.drafters.config import DrafterConfig
+    from dspine_jax.drafters.model import BlockDrafter
+
+    loaded = load_target(tiny_llama_dir, dtype="f32")
+    config = DrafterConfig.for_target(loaded.config, kind="dspine", num_layers=1,
+                                      mask_token_id=0, block_size=4)
+    folder = tmp_path_factory.mktemp("tiny_dspine")
+    save_drafter(BlockDrafter.create(config, loaded.model.output_embedding(), seed=1), folder)
+    return Pipeline.from_loaded(loaded, folder)
+
+
+@pytest.fixture(scope="module")
+def offline(pipe) -> dict:
+    """Pipeline.generate's T = 0 results (24 tokens) for every test prompt: the reference."""
+    refs = {("plain", i): r for i, r in enumerate(pipe.generate(PLAIN, max_new_tokens=24))}
+    return refs | {("chat", i): r for i, r in enumerate(pipe.generate(CHAT, chat=True,
+                                                                       max_new_tokens=24))}
+
+
+def drain(core: EngineCore, out: dict | None = None, limit: int = 2000) -> dict:
+    """Step until idle; {request_id: (tokens, finish_reason, accept_lengths)}, added to
+    `out` (what earlier steps returned)."""
+    out = {} if out is None else out
+    for _ in range(limit):
+        if not core.has_work():
+            return out
+        gather(core.step(), out)
+    raise AssertionError(f"the engine still has work after {limit} steps")
+
+
+def gather(outputs, out: dict) -> dict:
+    for o in outputs:
+        tokens, _, accepted = out.get(o.request_id, ([], None, []))
+        out[o.request_id] = (tokens + o.new_token_ids, o.finish_reason,
+                             accepted + o.accept_lengths)
+    return out
+
+
+# ----- the engine core ---------------------------------------------------------------------
+def test_engine_core_equals_offline_generate(pipe, offline):
+    """More requests than slots, each with its own max_tokens: rows are admitted as others
+    finish, and every row equals Pipeline.generate token for token (acceptance too)."""
+    core = EngineCore(pipe.decoder, max_slots=SLOTS, max_model_len=CONTEXT)
+    prompts = PLAIN + PLAIN[:4]
+    budgets = [24, 5, 17, 1, 24, 9, 12, 24, 3, 24, 20, 7]
+    for i, (p, n) in enumerate(zip(prompts, budgets)):
+        core.add_request(f"r{i}", pipe.encode(p), SamplingOptions(max_tokens=n))
+    assert core.stats().waiting == len(prompts)
+    got = drain(core)
+    reference = [offline[("plain", i % 8)] for i in range(len(prompts))]
+    for i, (ref, n) in enumerate(zip(reference, budgets)):
+        tokens, reason, accepted = got[f"r{i}"]
+        assert tokens == ref.tokens[:n]
+        assert reason == ("stop" if ref.finish_reason == "stop" and len(ref.tokens) <= n
+                          else "length")
+        assert sum(accepted) == len(tokens) - 1
+        if n == 24:
+            assert accepted == ref.accept_lengths
+    stats = core.stats()
+    assert (stats.running, stats.waiting, stats.used_tokens) == (0, 0, 0)
+
+
+def test_engine_core_abort_stop_tokens_and_checks(pipe, offline):
+    core = EngineCore(pipe.decoder, max_slots=SLOTS, max_model_len=CONTEXT)
+    ids = pipe.encode(PLAIN[0])
+    ref = offline[("plain", 0)]
+    stop = ref.tokens[5]
+    cut = ref.tokens.index(stop)
+    core.add_request("stop", ids, SamplingOptions(max_tokens=12, stop_token_ids=(stop,)))
+    for i in range(SLOTS - 1):   # fill the other slots: the next request waits
+        core.add_request(f"long{i}", ids, SamplingOptions(max_tokens=200, ignore_eos=True))
+    core.add_request("queued", ids, SamplingOptions(max_tokens=4))
+    first = gather(core.step(), {})
+    assert core.stats().running == SLOTS and core.stats().waiting == 1
+    assert core.abort("queued") and not core.abort("unknown")
+    assert all(core.abort(f"long{i}") for i in range(SLOTS - 1))
+    assert not core.abort("long0")
+    got = drain(core, first)
+    assert got["stop"][:2] == (ref.tokens[:cut + 1], "stop")
+    assert got["long0"][1] == "abort" and 0 < len(got["long0"][0]) < 200
+    assert got["queued"] == ([], "abort", [])
+    assert core.stats().running == 0 and core.stats().free_slots == SLOTS
+    for ids_, options in [(ids * 100, SamplingOptions()), ([], SamplingOptions()),
+                          (ids, SamplingOptions(max_tokens=0)),
+                          (ids, SamplingOptions(max_tokens=CONTEXT)),
+                          (ids, SamplingOptions(temperature=-1.0)),
+                          ([10 ** 6], SamplingOptions())]:
+        with pytest.raises(InputError):
+            core.add_request("bad", ids_, options)
+    assert not core.has_work()
+
+
+def test_seeded_request_is_the_same_alone_and_under_load(pipe):
+    """Each slot has its own RNG key: a seeded request does not depend on its neighbours."""
+    core = EngineCore(pipe.decoder, max_slots=SLOTS, max_model_len=CONTEXT)
+    options = SamplingOptions(max_tokens=20, temperature=0.9, top_p=0.95, seed=1234)
+    ids = pipe.encode(PLAIN[1])
+    core.add_request("alone", ids, options)
+    alone = drain(core)["alone"][0]
+    for i in range(11):  # neighbours: sampled, unseeded, and more of them than slots
+        core.add_request(f"n{i}", pipe.encode(PLAIN[i % 8]),
+                         SamplingOptions(max_tokens=5 + i, temperature=1.0))
+    core.add_request("loaded", ids, options)
+    assert drain(core)["loaded"][0] == alone
+
+
+def test_detokenizer_holds_back_stop_strings_and_partial_characters(pipe):
+    tok = pipe.tokenizer
+    text = "hello world the quick brown fox"
+    ids = tok.encode(text)
+    for stop, expected in [((), text), (("quick",), "hello world the "),
+                           (("o w", "zzz"), "hell"), (("x",), "hello world the quick brown fo")]:
+        d = IncrementalDetokenizer(tok, stop=stop)
+        pieces = [d.add([t]) for t in ids] + [d.add([], last=True)]
+        assert "".join(pieces) == expected == d.text
+        assert d.stopped == bool(stop and stop[0] in text)
+    d = IncrementalDetokenizer(tok)
+    euro = tok.encode("\u20ac")  # three bytes, one byte-level token each
+    assert len(euro) > 1 and d.add(euro[:1]) == "" and d.add(euro[1:]) == "\u20ac"
+    # Random ids (special tokens, stray bytes) in random bursts: the pieces join into
+    # decode(all ids), the text the offline API returns.
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 40))]
+        d, pieces, i = IncrementalDetokenizer(tok), [], 0
+        while i < len(ids):
+            k = rng.randrange(1, 5)
+            pieces.append(d.add(ids[i:i + k], last=i + k >= len(ids)))
+            i += k
+        assert "".join(pieces) == d.text == tok.decode(ids)
+
+
+# ----- the HTTP server -----------------------------------------------------------------------
+class Served:
+    """uvicorn in a thread on 127.0.0.1 (a free port), over an app from `build`."""
+
+    def __init__(self, pipe, *, max_queue=64, grace=30.0):
+        self.app, self.engine = build(pipe, model_name="tiny", max_slots=SLOTS,
+                                      max_model_len=CONTEXT, max_queue=max_queue)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
+                                log_level="warning", timeout_graceful_shutdown=grace)
+        self.server = DrainingServer(config, self.engine)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "no server"
+            time.sleep(0.02)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def served(pipe):
+    s = Served(pipe)
+    yield s
+    s.stop()
+
+
+@contextlib.contextmanager
+def slow_engine(engine, seconds=0.03):
+    """Each engine step takes at least `seconds`: requests stay in flight long enough to
+    disconnect or shut down mid-stream on a fast machine."""
+    core = engine.core
+    step = core.step
+
+    def slow():
+        time.sleep(seconds)
+        return step()
+
+    core.step = slow
+    try:
+        yield
+    finally:
+        del core.step
+
+
+def wait_idle(url, timeout=15.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = httpx.get(url + "/health", timeout=5).json()
+        if stats["running"] == 0 and stats["waiting"] == 0:
+            return stats
+        assert time.monotonic() < deadline, f"slots still busy: {stats}"
+        time.sleep(0.05)
+
+
+async def stream_request(client, path, body) -> tuple[str, str, dict]:
+    """(text, finish_reason, usage) of one streaming request."""
+    text, reason, usage = [], None, None
+    async with client.stream("POST", path, json={**body, "stream": True,
+                                                 "stream_options": {"include_usage": True}}
+                             ) as r:
+        assert r.status_code == 200, await r.aread()
+        lines = [line async for line in r.aiter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    for line in lines[:-1]:
+        chunk = json.loads(line.removeprefix("data: "))
+        if chunk.get("usage"):
+            assert chunk["choices"] == []
+            usage = chunk["usage"]
+            continue
+        [choice] = chunk["choices"]
+        text.append(choice.get("text") or choice.get("delta", {}).get("content") or "")
+        reason = choice["finish_reason"] or reason
+    return "".join(text), reason, usage
+
+
+def test_64_concurrent_streaming_clients_match_offline(pipe, offline, served):
+    """Every T = 0 response equals Pipeline.generate's text for its prompt; none is lost or
+    duplicated; the usage chunk counts the tokens; all slots are free afterwards."""
+    budgets = (24, 11)
+    jobs = [(kind, i, n) for kind in ("plain", "chat") for i in range(8) for n in budgets]
+    jobs = [job for job in jobs for _ in range(2)]  # 64 requests, each prompt 4 times
+    assert len(jobs) == 64
+    refs = offline
+
+    async def one(client, kind, i, n):
+        if kind == "plain":
+            return await stream_request(client, "/v1/completions", {
+                "model": "tiny", "prompt": PLAIN[i], "max_tokens": n, "temperature": 0})
+        return await stream_request(client, "/v1/chat/completions", {
+            "model": "tiny", "messages": [{"role": "user", "content": CHAT[i]}],
+            "max_tokens": n, "temperature": 0})
+
+    async def main():
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(base_url=served.url, timeout=60, limits=limits,
+                                     trust_env=False) as client:
+            return await asyncio.wait_for(
+                asyncio.gather(*(one(client, *job) for job in jobs)), timeout=180)
+
+    results = asyncio.run(main())
+    assert len(results) == 64
+    for (kind, i, n), (text, reason, usage) in zip(jobs, results):
+        ref = refs[(kind, i)]
+        tokens = ref.tokens[:n]
+        assert text == pipe.tokenizer.decode(tokens), (kind, i, n)
+        assert usage["completion_tokens"] == len(tokens)
+        assert usage["prompt_tokens"] == ref.prompt_tokens
+        assert reason == ("stop" if ref.finish_reason == "stop" and len(ref.tokens) <= n
+                          else "length")
+        assert usage["target_passes"] >= 1 and usage["mean_accept_length"] >= 1
+    stats = wait_idle(served.url)
+    assert stats["free_slots"] == SLOTS and stats["used_tokens"] == 0
+    metrics = httpx.get(served.url + "/metrics").text
+    assert "dspine_accept_length_count" in metrics
+    assert "dspine_time_to_first_token_seconds_count" in metrics
+
+
+def test_seeded_http_request_same_alone_and_under_load(served):
+    body = {"prompt": "hello world", "max_tokens": 16, "temperature": 1.0, "seed": 7}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=served.url, timeout=60,
+                                     trust_env=False) as client:
+            alone = (await client.post("/v1/completions", json=body)).json()
+            noise = [client.post("/v1/completions", json={
+                "prompt": p, "max_tokens": 12, "temperature": 1.0}) for p in PLAIN * 2]
+            responses = await asyncio.wait_for(asyncio.gather(
+                *noise[:9], client.post("/v1/completions", json=body), *noise[9:]), 120)
+            return alone, responses[9].json()
+
+    alone, loaded = asyncio.run(main())
+    assert alone["choices"][0]["text"] == loaded["choices"][0]["text"]
+    assert alone["usage"]["completion_tokens"] == 16
+
+
+def test_disconnect_mid_stream_frees_the_slot(served):
+    """A streaming client that closes its connection, and a non-streaming one that gives
+    up, both abort their requests: every slot is free again."""
+    body = {"prompt": "hello", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+    with slow_engine(served.engine):
+        with httpx.Client(base_url=served.url, timeout=30, trust_env=False) as client:
+            with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                assert r.status_code == 200
+                for _ in r.iter_lines():
+                    break                       # one chunk, then hang up
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(served.url + "/v1/completions", json=body, timeout=0.5)
+        wait_idle(served.url)
+    metrics = httpx.get(served.url + "/metrics").text
+    aborted = [line for line in metrics.splitlines()
+               if line.startswith('dspine_requests_total{finish_reason="abort"}')]
+    assert aborted and float(aborted[0].split()[-1]) >= 2, metrics
+
+
+BAD = [
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+    ("/v1/completions", {}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, 10 ** 6]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": CONTEXT}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi " * 300}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "temperature": 7}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_k": -2}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "top_k": 2.5}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2 ** 70}, 400, "seed"),
+    ("/v1/chat/completions", {"model": "tiny"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400,
+     "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400,
+     "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 300}]}, 400,
+     "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "max_completion_tokens": 10 ** 6}, 400, "max_completion_tokens"),
+]
+
+
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(served):
+    with httpx.Client(base_url=served.url, timeout=30, trust_env=False) as client:
+        for path, body, status, param in BAD:
+            r = (client.post(path, content=body, headers={"content-type": "application/json"})
+                 if isinstance(body, bytes) else client.post(path, json=body))
+            assert r.status_code == status, (body, r.text)
+            error = r.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["message"]
+            assert error["param"] == param, (body, error)
+        r = client.post("/v1/completions", content=b'{"prompt": "' + b"x" * (5 << 20) + b'"}')
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+        assert client.get("/v1/nothing").status_code == 404
+        assert client.get("/v1/completions").status_code == 405
+        assert "error" in client.get("/v1/nothing").json()
+        r = client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+    assert wait_idle(served.url)["free_slots"] == SLOTS
+
+
+def test_stop_strings_cut_the_text_and_free_the_slot(offline, served):
+    text = offline[("plain", 2)].text
+    # An ASCII stop string (the random model also writes partial characters), first seen
+    # past the start of the text.
+    stop = next(text[i:i + k] for k in (2, 1) for i in range(3, len(text) - k)
+                if text[i:i + k].isascii() and text[i:i + k].isalnum()
+                and text.find(text[i:i + k]) == i)
+    r = httpx.post(served.url + "/v1/completions", json={
+        "prompt": PLAIN[2], "max_tokens": 24, "temperature": 0, "stop": [stop]}).json()
+    assert r["choices"][0]["text"] == text[:text.find(stop)]
+    assert r["choices"][0]["finish_reason"] == "stop"
+    wait_idle(served.url)
+
+
+def test_openai_client_over_a_real_socket(served):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0,
+                           timeout=60, http_client=httpx.Client(trust_env=False))
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    completion = client.completions.create(model="tiny", prompt="hello", max_tokens=6,
+                                           temperature=0)
+    assert completion.usage.completion_tokens == 6
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+        temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens == 5 and chunks[-1].choices == []
+    assert chunks[-2].choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="hi", max_tokens=0)
+    assert e.value.body["param"] == "max_tokens"
+
+
+def test_overload_gets_429_and_the_server_recovers(pipe):
+    s = Served(pipe, max_queue=2)   # 8 slots + 2 waiting: the eleventh request is refused
+    try:
+        body = {"prompt": "hi", "max_tokens": 150, "ignore_eos": True, "temperature": 0}
+
+        async def main():
+            async with httpx.AsyncClient(base_url=s.url, timeout=60,
+                                         limits=httpx.Limits(max_connections=32),
+                                         trust_env=False) as client:
+                return await asyncio.wait_for(asyncio.gather(
+                    *(client.post("/v1/completions", json=body) for _ in range(24))), 120)
+
+        with slow_engine(s.engine):
+            codes = sorted(r.status_code for r in asyncio.run(main()))
+        assert codes.count(200) >= SLOTS + 2 and codes.count(429) >= 1, codes
+        assert set(codes) == {200, 429}
+        wait_idle(s.url)
+        assert httpx.post(s.url + "/v1/completions", json=body).status_code == 200
+    finally:
+        s.stop()
+
+
+def test_shutdown_finishes_in_flight_requests_and_refuses_new_ones(pipe):
+    """What SIGTERM does (uvicorn calls handle_exit from its signal handler)."""
+    s = Served(pipe)
+    try:
+        with slow_engine(s.engine):
+            with httpx.Client(base_url=s.url, timeout=30, trust_env=False) as client:
+                body = {"prompt": "hi", "max_tokens": 60, "ignore_eos": True, "stream": True,
+                        "temperature": 0}
+                with client.stream("POST", "/v1/completions", json=body) as r:
+                    lines = r.iter_lines()
+                    next(lines)
+                    s.server.handle_exit(signal.SIGTERM, None)
+                    # 503 until uvicorn stops listening; then a connection is refused, or
+                    # closed unanswered if it raced the listener's close.
+                    try:
+                        refused = httpx.post(s.url + "/v1/completions", json={"prompt": "hi"},
+                                             timeout=5, trust_env=False).status_code
+                    except (httpx.ConnectError, httpx.RemoteProtocolError):
+                        refused = "refused"
+                    rest = [line for line in lines if line]
+        assert refused in (503, "refused")
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
+        s.thread.join(30)
+        assert not s.thread.is_alive() and not s.engine.alive
+    finally:
+        s.stop()
+
+
+def test_shutdown_cancels_what_outlives_the_grace_period(pipe):
+    s = Served(pipe, grace=0.5)
+    try:
+        with slow_engine(s.engine, seconds=0.1):
+            with httpx.Client(base_url=s.url, timeout=30, trust_env=False) as client:
+                body = {"prompt": "hi", "max_tokens": 200, "ignore_eos": True,
+                        "stream": True}
+                with client.stream("POST", "/v1/completions", json=body) as r:
+                    lines = r.iter_lines()
+                    next(lines)
+                    t0 = time.monotonic()
+                    s.server.handle_exit(signal.SIGTERM, None)
+                    with contextlib.suppress(httpx.HTTPError):
+                        rest = [line for line in lines if line]
+                        assert "data: [DONE]" not in rest    # cut, not finished
+        s.thread.join(30)
+        assert not s.thread.is_alive() and time.monotonic() - t0 < 10
+        assert not s.engine.alive and s.engine.stats().running == 0
+    finally:
+        s.stop()
+
+
+def test_bench_serve_cli(served, tmp_path):
+    from typer.testing import CliRunner
+
+    from dspine_jax.cli import app
+
+    prompts = tmp_path / "prompts.jsonl"
+    lines = [{"prompt": "hi " * 300, "chat": False}]    # too long: skipped, as bench_serving
+    lines += [{"prompt": p, "chat": i % 2 == 0} for i, p in enumerate(PLAIN)]
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "bench"
+    result = CliRunner().invoke(app, [
+        "bench", "serve", "--base-url", served.url, "--prompts", str(prompts),
+        "--num-prompts", "8", "--concurrency", "1", "4", "--max-tokens", "8",
+        "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    saved = json.loads((out / "results.json").read_text())
+    assert [lv["concurrency"] for lv in saved["levels"]] == [1, 4]
+    assert saved["skipped_long_prompts"] == 1
+    for level in saved["levels"]:
+        assert level["completed"] == 8 and level["failed"] == 0
+        assert level["total_output_tokens"] == 64 and level["output_throughput"] > 0
+        assert level["accept_length"] >= 1 and level["accept_length_metrics"] >= 1
+        assert level["median_ttft_ms"] > 0
+    assert (out / "results.png").stat().st_size > 0
+    refused = CliRunner().invoke(app, ["bench", "serve", "--base-url", "http://10.1.2.3:80"])
+    assert refused.exit_code == 2 and "loopback" in refused.output
+
+
+# ----- the command, as a process -------------------------------------------------------------
+def start_server(target: Path, port: int) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "dspine_jax", "serve", "--target", str(target), "--port",
+         str(port), "--max-slots", "2", "--max-model-len", "64", "--grace-seconds", "5"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    proc.kill()
+    raise AssertionError(f"no healthy server at {url} after {timeout}s")
+
+
+def test_serve_command_restarts_after_kill_and_exits_on_sigterm(tiny_llama_dir):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    body = {"model": str(tiny_llama_dir), "prompt": "hello", "max_tokens": 5}
+    first = start_server(tiny_llama_dir, port)
+    try:
+        wait_healthy(first, url)
+        assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 200
+        first.kill()
+        first.wait(30)
+        second = start_server(tiny_llama_dir, port)
+        try:
+            wait_healthy(second, url)
+            r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+            second.send_signal(signal.SIGTERM)
+            # uvicorn re-raises the signal after its graceful shutdown: the status is that
+            # of a process ended by SIGTERM (143 in a shell), reached only after the drain.
+            assert second.wait(60) == -signal.SIGTERM
+            assert "Application shutdown complete" in second.stdout.read()
+            with pytest.raises(httpx.ConnectError):
+                httpx.get(url + "/health", timeout=2, trust_env=False)
+        finally:
+            second.kill()
+    finally:
+        first.kill()
