@@ -181,7 +181,10 @@ def test_exported_files_get_normal_permissions(tiny_llama_dir, tiny_drafters, tm
     finally:
         os.umask(old)
     assert result.exit_code == 0, result.output
-    for name in ("model.safetensors", "config.json"):
+    # The weights, the config and the modeling code shipped for trust_remote_code; no
+    # temporary file left behind, every file readable by others.
+    expected = ["config.json", "configuration_dspine.py", "model.safetensors",
+                "modeling_dspine.py"]
+    assert sorted(p.name for p in (tmp_path / "export").iterdir()) == expected
+    for name in expected:
         assert (tmp_path / "export" / name).stat().st_mode & 0o777 == 0o644, name
-    assert sorted(p.name for p in (tmp_path / "export").iterdir()) == \
-        ["config.json", "model.safetensors"]  # no temporary file left behind
