@@ -25,15 +25,20 @@ from dspine_jax.decoding import BatchDecoder, DecodeState, emit
 from dspine_jax.drafters.model import BlockDrafter
 from dspine_jax.kv_cache import KVCache
 from dspine_jax.sampling import sample_tokens, target_probabilities
-from dspine_jax.speculative.propose import Proposal, propose
-from dspine_jax.speculative.verify import Verdict, verify
+from dspine_jax.speculative.propose import Proposal
+from dspine_jax.speculative.verify import Verdict, verify, verify_logits
 from dspine_jax.target import TargetModel
 
 
 class SpeculativeEngine(BatchDecoder):
     def __init__(self, target: TargetModel, drafter: BlockDrafter, *,
-                 eos_token_ids: Sequence[int] = (), steps_per_call: int = 4):
+                 eos_token_ids: Sequence[int] = (), steps_per_call: int = 4,
+                 proposal_impl: str = "sparse"):
+        """proposal_impl: "sparse" (q and p only where needed, no [K, V] warp) or "dense"
+        (the original [B, K, V] p and q, kept for comparison)."""
         drafter.config.check_target(target.config)
+        drafter.proposer(proposal_impl)  # refuses an unknown name now, not at trace time
+        self.proposal_impl = proposal_impl
         super().__init__(target, eos_token_ids=eos_token_ids, steps_per_call=steps_per_call)
         self.drafter_config = drafter.config
         self.block_size = drafter.config.block_size
@@ -67,13 +72,16 @@ class SpeculativeEngine(BatchDecoder):
         e_out = target.output_embedding()
         out = drafter.draft_block(state.last_token, state.caches[1], target.input_embedding(),
                                   e_out)
-        return propose(drafter, out, state.last_token, e_out, sampling, rng)
+        return drafter.proposer(self.proposal_impl).propose(out, state.last_token, e_out,
+                                                            sampling, rng)
 
     def verify(self, params, state: DecodeState, proposal: Proposal, sampling, rng):
         block = jnp.concatenate([state.last_token[:, None], proposal.tokens], axis=1)
         out = self.target(params)(block, state.caches[0], hidden_layer_ids=self.layer_ids)
-        p = target_probabilities(out.logits, sampling)
-        return verify(proposal.tokens, proposal.q, p, rng), out
+        if self.proposal_impl == "dense":
+            p = target_probabilities(out.logits, sampling)
+            return verify(proposal.tokens, proposal.dense_q(), p, rng), out
+        return verify_logits(proposal, out.logits, sampling, rng), out
 
     def accept(self, params, state: DecodeState, proposal: Proposal, verdict: Verdict,
                target_out, ignore_eos) -> DecodeState:

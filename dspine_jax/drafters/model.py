@@ -241,6 +241,14 @@ class BlockDrafter(nnx.Module):
                          positions, ctx_kv, ctx_visible, anchor_tokens[:, None],
                          output_embedding)
 
+    def proposer(self, impl: str = "sparse", kernel_implementation: str = "auto"):
+        """What turns this drafter's pass into draft tokens and their q
+        (`dspine_jax/drafters/proposers.py`): impl "sparse" (q only where it is nonzero, no
+        [S, V] tensor) or "dense" (the original [B, S, V] q)."""
+        from dspine_jax.drafters.proposers import proposer_for
+
+        return proposer_for(self, impl, kernel_implementation)
+
     # ----- DSpine's decoding head (design doc 2.5) ---------------------------------------------
     def transition_scores(self, pre_injection: jax.Array, predecessors: jax.Array,
                           candidate_rows: jax.Array, output_embedding: jax.Array) -> jax.Array:
