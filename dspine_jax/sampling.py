@@ -172,18 +172,33 @@ def first_argmax(x: jax.Array) -> jax.Array:
     return flat.reshape(x.shape[:-1]).astype(jnp.int32)
 
 
-def sample_categorical(probs: jax.Array, rng: jax.Array) -> jax.Array:
+def sample_categorical(probs: jax.Array, rng: jax.Array, block: int = 256) -> jax.Array:
     """One draw per row from unnormalised probabilities [..., V] >= 0 (some positive):
-    inverse CDF in vocabulary order (one cumsum; 16 x 49,152 logits: 3 ms on 2 CPU cores
-    where Gumbel-max `categorical` takes 23 ms). int32 [...]."""
-    u = 1.0 - jax.random.uniform(rng, probs.shape[:-1])                   # (0, 1]
-    cdf = jnp.cumsum(probs, axis=-1)
-    target = u * cdf[..., -1]
-    index = jnp.minimum(jnp.sum(cdf < target[..., None], axis=-1), probs.shape[-1] - 1)
-    # A zero-probability token can only come out of the rounding of a parallel cumsum;
-    # take the most likely token then (an error far below 1e-6 of probability).
-    hit = jnp.take_along_axis(probs, index[..., None], -1)[..., 0] > 0
-    return jnp.where(hit, index, jnp.argmax(probs, -1)).astype(jnp.int32)
+    an inverse CDF in vocabulary order, in two levels (sums of blocks of `block` tokens,
+    then the cumsum inside the chosen block), so only reductions touch the whole row
+    (16 x 49,152: ~1 ms on 2 CPU cores, where Gumbel-max `categorical` takes 23 ms and a
+    full-row cumsum 3 ms). int32 [...]."""
+    vocab = probs.shape[-1]
+    lead = probs.shape[:-1]
+    nb = -(-vocab // block)
+    padded = jnp.pad(probs.reshape(-1, vocab), ((0, 0), (0, nb * block - vocab)))
+    blocks = padded.reshape(-1, nb, block)                              # [R, nb, block]
+    sums = jnp.sum(blocks, -1)                                          # [R, nb]
+    u = 1.0 - jax.random.uniform(rng, (padded.shape[0],))              # (0, 1]
+    cdf = jnp.cumsum(sums, -1)
+    target = u * cdf[:, -1]
+    j = jnp.minimum(jnp.sum(cdf < target[:, None], -1), nb - 1)         # the block
+    before = jnp.where(j > 0, jnp.take_along_axis(cdf, jnp.maximum(j - 1, 0)[:, None],
+                                                  -1)[:, 0], 0.0)
+    inside = jnp.take_along_axis(blocks, j[:, None, None], 1)[:, 0]     # [R, block]
+    within = jnp.cumsum(inside, -1)
+    i = jnp.minimum(jnp.sum(within < (target - before)[:, None], -1), block - 1)
+    index = jnp.minimum(j * block + i, vocab - 1)
+    # Rounding between the two levels can land on a zero-probability token (an error far
+    # below 1e-6 of probability); take the most likely token of the block then.
+    hit = jnp.take_along_axis(padded, index[:, None], -1)[:, 0] > 0
+    index = jnp.where(hit, index, j * block + jnp.argmax(inside, -1))
+    return index.reshape(lead).astype(jnp.int32)
 
 
 def sample_tokens(logits: jax.Array, params: SamplingParams, rng: jax.Array) -> jax.Array:
