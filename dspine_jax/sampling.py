@@ -172,6 +172,13 @@ def first_argmax(x: jax.Array) -> jax.Array:
     return flat.reshape(x.shape[:-1]).astype(jnp.int32)
 
 
+def greedy_rows_argmax(logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """first_argmax(logits) [B, ...] where some row of the batch is greedy; when none is,
+    the argmax is never used and a cond skips it (zeros)."""
+    return jax.lax.cond(jnp.any(params.temperature <= 0), lambda: first_argmax(logits),
+                        lambda: jnp.zeros(logits.shape[:-1], jnp.int32))
+
+
 def sample_categorical(probs: jax.Array, rng: jax.Array, block: int = 256) -> jax.Array:
     """One draw per row from unnormalised probabilities [..., V] >= 0 (some positive):
     an inverse CDF in vocabulary order, in two levels (sums of blocks of `block` tokens,

@@ -32,8 +32,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dspine_jax.sampling import (SamplingParams, first_argmax, sample_categorical,
-                                 warp_logits, warp_stats, warped_probability)
+from dspine_jax.sampling import (SamplingParams, first_argmax, greedy_rows_argmax,
+                                 sample_categorical, warp_logits, warp_stats,
+                                 warped_probability)
 
 
 def _pick_row(x: jax.Array, n: jax.Array) -> jax.Array:
@@ -149,13 +150,14 @@ def sample_marginal(logits: jax.Array, sampling: SamplingParams,
     """Each slot from its own warped softmax, logits [B, S, V], nothing [S, V] built
     beyond one pass of exp/cumsum: the warp's threshold comes from a partial top-k
     (`warp_threshold`) and the draw is an inverse CDF (`sample_categorical`)."""
-    greedy = first_argmax(logits)
     if sampling.all_greedy:
+        greedy = first_argmax(logits)
         return MarginalProposal(tokens=greedy, q_tokens=jnp.ones(greedy.shape, jnp.float32),
                                 logits=logits, sampling=sampling, tau=None, log_norm=None)
     scaled, tau, log_norm = warp_stats(logits, sampling)
     probs = warped_probability(scaled, tau[..., None], log_norm[..., None])
     drawn = sample_categorical(probs, rng)
+    greedy = greedy_rows_argmax(logits, sampling)
     hot = (sampling.temperature > 0)[:, None]
     tokens = jnp.where(hot, drawn, greedy)
     q_tokens = jnp.take_along_axis(probs, tokens[..., None], -1)[..., 0]

@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dspine_jax.sampling import (SamplingParams, first_argmax, sample_categorical, warp_stats,
-                                 warped_probability)
+from dspine_jax.sampling import (SamplingParams, first_argmax, greedy_rows_argmax,
+                                 sample_categorical, warp_stats, warped_probability)
 
 
 @struct.dataclass
@@ -75,11 +75,12 @@ def verify_logits(proposal, logits: jax.Array, sampling: SamplingParams,
     tokens = proposal.tokens
     b, n = tokens.shape
     rows = jnp.arange(b)
-    greedy = first_argmax(logits)                                      # [B, K]
-    greedy_kept = tokens == greedy[:, :-1]
     if sampling.all_greedy:
-        num_accepted = _accepted_prefix(greedy_kept)
+        greedy = first_argmax(logits)                                  # [B, K]
+        num_accepted = _accepted_prefix(tokens == greedy[:, :-1])
         return Verdict(num_accepted=num_accepted, next_token=greedy[rows, num_accepted])
+    greedy = greedy_rows_argmax(logits, sampling)
+    greedy_kept = tokens == greedy[:, :-1]
     scaled, tau, log_norm = warp_stats(logits, sampling)               # [B,K,V], [B,K], [B,K]
     x_draft = jnp.take_along_axis(scaled[:, :-1], tokens[..., None], -1)[..., 0]
     p_draft = warped_probability(x_draft, tau[:, :-1], log_norm[:, :-1])
