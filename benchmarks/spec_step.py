@@ -49,6 +49,9 @@ def parse_args():
     p.add_argument("--no-stages", action="store_true", help="skip the per-stage split")
     p.add_argument("--proposal", nargs="+", default=["sparse"], choices=["dense", "sparse"],
                    help="proposal/verification path(s) of the speculative engine")
+    p.add_argument("--proposal-kernel", default="xla",
+                   choices=["xla", "auto", "pallas_gpu", "pallas_tpu"],
+                   help="vocab_top_k implementation of DSpine's sparse proposal")
     p.add_argument("--temperature", type=float, nargs="+", default=[0.0],
                    help="sampling temperature(s); 0 is greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="top-p when temperature > 0")
@@ -71,7 +74,8 @@ def make_decoder(method, model, config, args, proposal="sparse"):
     drafter_params = sum(x.size for x in jax.tree.leaves(
         __import__("flax").nnx.state(drafter)))
     return SpeculativeEngine(model, drafter, steps_per_call=args.steps_per_call,
-                             proposal_impl=proposal), drafter_params
+                             proposal_impl=proposal, proposal_kernel=args.proposal_kernel
+                             ), drafter_params
 
 
 def sampling_options(args, temperature) -> dict:
@@ -139,6 +143,7 @@ def bench(method, b, model, config, dtype, bandwidth, args, proposal="sparse", t
     row = dict(method=method, batch=b, steps_per_call=args.steps_per_call,
                step_ms=step * 1e3, floor_ms=floor_bytes / bandwidth * 1e3,
                proposal=proposal if method != "ar" else "-", temperature=temperature,
+               proposal_kernel=args.proposal_kernel,
                top_p=args.top_p if temperature else 1.0, top_k=args.top_k if temperature else 0)
 
     if method != "ar" and not args.no_stages:

@@ -33,12 +33,15 @@ from dspine_jax.target import TargetModel
 class SpeculativeEngine(BatchDecoder):
     def __init__(self, target: TargetModel, drafter: BlockDrafter, *,
                  eos_token_ids: Sequence[int] = (), steps_per_call: int = 4,
-                 proposal_impl: str = "sparse"):
+                 proposal_impl: str = "sparse", proposal_kernel: str = "xla"):
         """proposal_impl: "sparse" (q and p only where needed, no [K, V] warp) or "dense"
-        (the original [B, K, V] p and q, kept for comparison)."""
+        (the original [B, K, V] p and q, kept for comparison). proposal_kernel: the
+        `vocab_top_k` implementation of DSpine's sparse proposal ("xla", "auto",
+        "pallas_gpu", "pallas_tpu"); "xla" until the Pallas kernels have run on hardware."""
         drafter.config.check_target(target.config)
         drafter.proposer(proposal_impl)  # refuses an unknown name now, not at trace time
         self.proposal_impl = proposal_impl
+        self.proposal_kernel = proposal_kernel
         super().__init__(target, eos_token_ids=eos_token_ids, steps_per_call=steps_per_call)
         self.drafter_config = drafter.config
         self.block_size = drafter.config.block_size
@@ -72,8 +75,8 @@ class SpeculativeEngine(BatchDecoder):
         e_out = target.output_embedding()
         out = drafter.draft_block(state.last_token, state.caches[1], target.input_embedding(),
                                   e_out)
-        return drafter.proposer(self.proposal_impl).propose(out, state.last_token, e_out,
-                                                            sampling, rng)
+        return drafter.proposer(self.proposal_impl, self.proposal_kernel).propose(
+            out, state.last_token, e_out, sampling, rng)
 
     def verify(self, params, state: DecodeState, proposal: Proposal, sampling, rng):
         block = jnp.concatenate([state.last_token[:, None], proposal.tokens], axis=1)

@@ -241,7 +241,7 @@ class BlockDrafter(nnx.Module):
                          positions, ctx_kv, ctx_visible, anchor_tokens[:, None],
                          output_embedding)
 
-    def proposer(self, impl: str = "sparse", kernel_implementation: str = "auto"):
+    def proposer(self, impl: str = "sparse", kernel_implementation: str = "xla"):
         """What turns this drafter's pass into draft tokens and their q
         (`dspine_jax/drafters/proposers.py`): impl "sparse" (q only where it is nonzero, no
         [S, V] tensor) or "dense" (the original [B, S, V] q)."""

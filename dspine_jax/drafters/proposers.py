@@ -7,8 +7,9 @@
             from a partial top-k and an inverse-CDF draw; q stays implicit (logits + the
             warp's threshold and normaliser, `MarginalProposal`).
     DSpine  `pallas_kernels.dspine_proposal`: top-C candidates straight from the final
-            hidden states (the vocab_top_k kernel on GPU/TPU; XLA's TopK on the CPU, where
-            the drafter's [S, V] logits are then dead code), the C x C transition table
+            hidden states (`vocab_top_k`: the Pallas kernel on GPU/TPU with
+            kernel_implementation "auto"; XLA's TopK with "xla", the default, and on the
+            CPU; either way the drafter's own [S, V] logits are dead code), the C x C transition table
             and the walk; q over the C candidates only (`CandidateProposal`).
   impl="dense"
     The original path, kept for comparison: q [B, S, V] for every slot, warped by a full
@@ -52,7 +53,7 @@ class MarginalProposer:
 class ChainProposer:
     """DSpine's predecessor-conditioned decoding with the transition cache."""
 
-    def __init__(self, drafter, impl: str = "sparse", kernel_implementation: str = "auto"):
+    def __init__(self, drafter, impl: str = "sparse", kernel_implementation: str = "xla"):
         check_impl(impl)
         self.drafter = drafter
         self.impl = impl
@@ -114,7 +115,7 @@ class ChainProposer:
         return Proposal(tokens=jnp.moveaxis(tokens, 0, 1), q=jnp.moveaxis(q, 0, 1))
 
 
-def proposer_for(drafter, impl: str = "sparse", kernel_implementation: str = "auto"):
+def proposer_for(drafter, impl: str = "sparse", kernel_implementation: str = "xla"):
     spine = drafter.config.dspine
     if spine is not None and spine.refinement_head:
         return ChainProposer(drafter, impl, kernel_implementation)
