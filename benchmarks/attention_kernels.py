@@ -157,33 +157,50 @@ def run_cell(model, b, ctx, mode, impls, copy_gbs, key):
     return rows
 
 
-def sweep(copy_gbs, key):
-    """A few kernel configs at 32k context (Qwen3-8B shape), to tune the defaults."""
+# (model, mode, batch, block_n, num_warps, num_stages, split multiplier) at 32k context:
+# candidates around the defaults, to tune default_config
+SWEEP = [
+    ("qwen3-8b", "verify", 8, 64, 4, 2, 1), ("qwen3-8b", "verify", 8, 64, 4, 3, 1),
+    ("qwen3-8b", "verify", 8, 64, 4, 4, 1), ("qwen3-8b", "verify", 8, 32, 4, 4, 1),
+    ("qwen3-8b", "verify", 8, 64, 4, 3, 2),
+    ("qwen3-8b", "verify", 1, 64, 4, 3, 1), ("qwen3-8b", "verify", 1, 64, 4, 3, 2),
+    ("qwen3-8b", "verify", 1, 32, 4, 4, 2),
+    ("qwen3-8b", "verify", 32, 64, 4, 3, 1), ("qwen3-8b", "verify", 32, 64, 4, 3, 0.5),
+    ("qwen3-8b", "decode", 1, 64, 4, 3, 1), ("qwen3-8b", "decode", 1, 64, 4, 4, 1),
+    ("qwen3-8b", "decode", 1, 64, 4, 3, 2), ("qwen3-8b", "decode", 1, 64, 4, 3, 4),
+    ("qwen3-8b", "decode", 1, 128, 4, 3, 1),
+    ("qwen3-8b", "decode", 8, 64, 4, 2, 1), ("qwen3-8b", "decode", 8, 64, 4, 3, 1),
+    ("smollm2-135m", "verify", 8, 128, 4, 3, 1), ("smollm2-135m", "verify", 8, 128, 4, 4, 1),
+    ("smollm2-135m", "decode", 1, 128, 4, 3, 1), ("smollm2-135m", "decode", 1, 128, 4, 3, 2),
+]
+
+
+def sweep(copy_gbs, key, models, modes):
+    """SWEEP's kernel configs (those of the given models and modes) at 32k context."""
     rows = []
-    n, k, h = MODELS["qwen3-8b"]
-    for b, mode in ((1, "decode"), (8, "decode"), (1, "verify"), (8, "verify")):
+    ctx = 32768
+    for model, mode, b, bn, warps, stages, split_mul in SWEEP:
+        if model not in models or mode not in modes:
+            continue
+        n, k, h = MODELS[model]
         t, mask = MODES[mode]
-        ctx = 32768
         base = rpa_gpu.default_config(b, t, n, h, k, PAGE_SIZE, ctx // PAGE_SIZE, DTYPE)
         nbytes = b * ctx * k * h * 4 + 4 * b * t * n * h
-        for bn, warps, stages, split_mul in ((64, 4, 2, 1), (64, 4, 3, 1), (128, 4, 2, 1),
-                                             (128, 8, 3, 1), (32, 4, 3, 1), (64, 4, 2, 2),
-                                             (64, 4, 2, 0.5)):
-            cfg = dict(block_n=bn, num_warps=warps, num_stages=stages,
-                       num_splits=max(1, int(base[2] * split_mul)))
-            row = dict(model="qwen3-8b", batch=b, context=ctx, mode=mode, **cfg)
-            try:
-                x = make_inputs(key, b, ctx, t, n, k, h)
-                args = tuple(x[a] for a in ("q", "new_k", "new_v", "k_pages", "v_pages",
-                                            "page_table", "kv_lens", "q_lens"))
-                args += (jnp.float32(0),)
-                del x
-                sec, _ = timed(op_loop(mask, "pallas_gpu", **cfg), args)
-                row.update(us=sec * 1e6, pct_copy=100 * nbytes / sec / 1e9 / copy_gbs)
-            except Exception as e:
-                row.update(error=f"{type(e).__name__}: {str(e)[:300]}")
-            rows.append(row)
-            print("sweep", json.dumps(row), flush=True)
+        cfg = dict(block_n=bn, num_warps=warps, num_stages=stages,
+                   num_splits=max(1, int(base[2] * split_mul)))
+        row = dict(model=model, batch=b, context=ctx, mode=mode, default=list(base), **cfg)
+        try:
+            x = make_inputs(key, b, ctx, t, n, k, h)
+            args = tuple(x[a] for a in ("q", "new_k", "new_v", "k_pages", "v_pages",
+                                        "page_table", "kv_lens", "q_lens"))
+            args += (jnp.float32(0),)
+            del x
+            sec, _ = timed(op_loop(mask, "pallas_gpu", **cfg), args)
+            row.update(us=sec * 1e6, pct_copy=100 * nbytes / sec / 1e9 / copy_gbs)
+        except Exception as e:
+            row.update(error=f"{type(e).__name__}: {str(e)[:300]}")
+        rows.append(row)
+        print("sweep", json.dumps(row), flush=True)
     return rows
 
 
@@ -195,7 +212,8 @@ def main():
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--impls", default="xla,pallas_gpu,jax_paged_attention,jax_decode_gqa")
-    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="also time SWEEP's kernel configs")
+    ap.add_argument("--no-table", action="store_true", help="skip the table (with --sweep)")
     a = ap.parse_args()
     dev = jax.devices()[0]
     copy_gbs = copy_bandwidth()
@@ -205,12 +223,13 @@ def main():
     print(json.dumps(meta), flush=True)
     key = jax.random.key(0)
     rows = []
-    for model in a.models.split(","):
+    for model in a.models.split(",") if not a.no_table else []:
         for mode in a.modes.split(","):
             for b in map(int, a.batches.split(",")):
                 for ctx in map(int, a.contexts.split(",")):
                     rows += run_cell(model, b, ctx, mode, a.impls.split(","), copy_gbs, key)
-    sweep_rows = sweep(copy_gbs, key) if a.sweep else []
+    sweep_rows = (sweep(copy_gbs, key, a.models.split(","), a.modes.split(","))
+                  if a.sweep else [])
     with open(a.out, "w") as f:
         json.dump(dict(meta=meta, rows=rows, sweep=sweep_rows), f, indent=1)
 
@@ -232,6 +251,10 @@ def main():
                                      else f"{r['us']:.0f} / {r['pct_copy']:.0f}%")
                     print(f"| {model} | {mode} | {b} | {ctx // 1024}k | " + " | ".join(cells)
                           + " |")
+    for r in sweep_rows:
+        print("sweep {model} {mode} b{batch} bn{block_n} w{num_warps} s{num_stages} "
+              "splits{num_splits} (default {default}): ".format(**r)
+              + (r["error"][:120] if "error" in r else f"{r['us']:.0f} us / {r['pct_copy']:.0f}%"))
 
 
 if __name__ == "__main__":

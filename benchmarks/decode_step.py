@@ -2,12 +2,20 @@
 
   python benchmarks/decode_step.py --target smollm2-135m-instruct --batch 1 8 --impl jax
   python benchmarks/decode_step.py --target preset:qwen3-8b --batch 1 32 --impl transformers
+  python benchmarks/decode_step.py --target preset:qwen3-8b --batch 1 8 32 \\
+      --context 1024 16384 --attention-backend pallas xla --steps-per-call 16
 
 `preset:NAME` builds random weights with a published model's shapes (step time does not
 depend on weight values). JAX: the compiled decode is timed directly, `--steps-per-call`
 steps per host round trip, with a host sync after every call as generate() does.
 transformers: step time = (time for N new tokens - time for N/2 + 1) / (N/2 - 1), so
 prefill cancels out; each figure is the median of --repeats runs.
+--context N times steps at a cache length of N without an N-token prefill: after
+prefilling --prompt-len tokens, every row's cache length is set to N (the skipped
+positions hold zeros; attention reads them as it would real keys, so the step time is
+that of an N-token context). A preset's max_position_embeddings is raised to fit.
+--attention-backend runs each listed backend of the JAX engine (pallas: the paged
+attention kernel; xla: dense attention over the gathered pages).
 The floor is the bytes one step must read (weights + the KV cache) over the copy
 bandwidth measured in the same process.
 """
@@ -15,6 +23,7 @@ bandwidth measured in the same process.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import statistics
@@ -28,6 +37,12 @@ def parse_args():
     p.add_argument("--impl", choices=["jax", "transformers"], default="jax")
     p.add_argument("--batch", type=int, nargs="+", default=[1])
     p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--context", type=int, nargs="+", default=None,
+                   help="jax: cache lengths to time steps at (default: --prompt-len)")
+    p.add_argument("--attention-backend", nargs="+", default=["auto"],
+                   choices=["auto", "pallas", "xla"],
+                   help="jax: attention backends to time side by side")
+    p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--steps-per-call", type=int, nargs="+", default=[1, 16],
                    help="jax: decode steps per host round trip (device-side loop)")
@@ -68,12 +83,45 @@ def jax_copy_bandwidth() -> float:
     return 2 * n / t
 
 
-def load_jax_target(name: str, dtype: str):
-    """A built-in name, a path, or `preset:NAME` (random weights, published shapes)."""
-    from dspine_jax.checkpoints import load_target
+def load_jax_target(name: str, dtype: str, min_positions: int = 0):
+    """A built-in name, a path, or `preset:NAME` (random weights, published shapes; its
+    max_position_embeddings raised to `min_positions` when lower)."""
+    from dspine_jax.checkpoints import load_target, resolve_dtype
+    from dspine_jax.config import PRESETS
 
+    key = name.split(":", 1)[1] if name.startswith("preset:") else None
+    if key in PRESETS and PRESETS[key].max_position_embeddings < min_positions:
+        import dataclasses
+
+        from flax import nnx
+
+        from dspine_jax.target import TargetModel
+
+        config = dataclasses.replace(PRESETS[key], max_position_embeddings=min_positions)
+        jdtype = resolve_dtype(dtype)
+        model = TargetModel(config, dtype=jdtype, rngs=nnx.Rngs(0))
+        return model, config, model.dtype
     loaded = load_target(name, dtype=dtype, with_tokenizer=False)
+    if loaded.config.max_position_embeddings < min_positions:
+        raise SystemExit(f"{name} has a context of {loaded.config.max_position_embeddings}; "
+                         f"--context needs {min_positions} (use a preset: shapes only)")
     return loaded.model, loaded.config, loaded.model.dtype
+
+
+def with_context(state, context: int):
+    """Every row's caches jump to `context` positions (see the module doc)."""
+    import jax.numpy as jnp
+
+    caches = tuple(c.replace(lengths=jnp.full_like(c.lengths, context)) for c in state.caches)
+    return state.replace(caches=caches)
+
+
+def pool_pages(batch: int, positions: int, page_size: int) -> int:
+    """A pool of exactly the pages `batch` rows of `positions` positions own (the default
+    pool covers every row at the power-of-two capacity bucket: up to twice the memory)."""
+    from dspine_jax.kv_cache import pages_needed
+
+    return batch * pages_needed(positions, page_size)
 
 
 def bench_jax(args) -> list[dict]:
@@ -82,35 +130,43 @@ def bench_jax(args) -> list[dict]:
 
     from dspine_jax.generate import AutoregressiveGenerator
 
-    model, config, dtype = load_jax_target(args.target, args.dtype)
+    contexts = args.context or [args.prompt_len]
+    budget = 2 * max(2, args.new_tokens // min(args.steps_per_call)) * max(args.steps_per_call)
+    model, config, dtype = load_jax_target(args.target, args.dtype,
+                                           max(contexts) + budget + 2)
     bandwidth = jax_copy_bandwidth()
     results = []
-    for steps in args.steps_per_call:
-        gen = AutoregressiveGenerator(model, eos_token_ids=[], steps_per_call=steps)
+    for backend, steps, context, b in itertools.product(
+            args.attention_backend, args.steps_per_call, contexts, args.batch):
         calls = max(2, args.new_tokens // steps)
-        for b in args.batch:
-            prompts = np.random.default_rng(0).integers(
-                0, config.vocab_size, size=(b, args.prompt_len)).tolist()
-            # Budget past what we time, so no row finishes inside the timed calls.
-            run = gen.prepare(prompts, max_new_tokens=2 * calls * steps + 2, ignore_eos=True)
+        # Budget past what we time, so no row finishes inside the timed calls.
+        new_tokens = context - args.prompt_len + 2 * calls * steps + 2
+        gen = AutoregressiveGenerator(
+            model, eos_token_ids=[], steps_per_call=steps, attention_backend=backend,
+            page_size=args.page_size,
+            num_pages=pool_pages(b, args.prompt_len + new_tokens, args.page_size))
+        prompts = np.random.default_rng(0).integers(
+            0, config.vocab_size, size=(b, args.prompt_len)).tolist()
+        run = gen.prepare(prompts, max_new_tokens=new_tokens, ignore_eos=True)
 
-            def decode_calls():
-                state = run.decode(run.prefill())
-                jax.block_until_ready(state)
-                t0 = time.perf_counter()
-                for _ in range(calls):  # each call syncs with the host, as generate() does
-                    state = run.decode(state)
-                    jax.device_get(state.num_generated)
-                return (time.perf_counter() - t0) / (calls * steps)
+        def decode_calls():
+            state = run.decode(with_context(run.prefill(), context))
+            jax.block_until_ready(state)
+            t0 = time.perf_counter()
+            for _ in range(calls):  # each call syncs with the host, as generate() does
+                state = run.decode(state)
+                jax.device_get(state.num_generated)
+            return (time.perf_counter() - t0) / (calls * steps)
 
-            decode_calls()  # warm-up
-            step = statistics.median(decode_calls() for _ in range(args.repeats))
-            floor = step_bytes(config, b, args.prompt_len + calls * steps,
-                               np.dtype(dtype).itemsize) / bandwidth
-            results.append(dict(impl="jax", steps_per_call=steps, batch=b, step_ms=step * 1e3,
-                                floor_ms=floor * 1e3, tokens_per_s=b / step,
-                                bandwidth_GBps=bandwidth / 1e9, device=str(jax.devices()[0])))
-            print(json.dumps(results[-1]), flush=True)
+        decode_calls()  # warm-up
+        step = statistics.median(decode_calls() for _ in range(args.repeats))
+        floor = step_bytes(config, b, context + calls * steps,
+                           np.dtype(dtype).itemsize) / bandwidth
+        results.append(dict(impl="jax", attention_backend=gen.attention.name, context=context,
+                            steps_per_call=steps, batch=b, step_ms=step * 1e3,
+                            floor_ms=floor * 1e3, tokens_per_s=b / step,
+                            bandwidth_GBps=bandwidth / 1e9, device=str(jax.devices()[0])))
+        print(json.dumps(results[-1]), flush=True)
     return results
 
 

@@ -1,28 +1,34 @@
 """Speculative decoding step time: AR vs DFlash vs DSpine in one engine, split by stage.
 
   python benchmarks/spec_step.py --target preset:qwen3-8b --batch 1 8 32 --out spec.jsonl
+  python benchmarks/spec_step.py --target preset:qwen3-8b --batch 1 8 32 \\
+      --context 1024 16384 --attention-backend pallas xla
   python benchmarks/spec_step.py --proposal dense sparse --temperature 0 0.8 --top-p 0.9
 
 For each method and batch size it times, on a state after prefill:
   step     the compiled decode loop, `--steps-per-call` target passes per host round
            trip with a host sync after each call (what generate() does), per pass;
   draft    the drafter pass + proposal (DSpine: top-k, transition table, chain walk);
-           `--proposal dense` builds q [B, K-1, V] and warps it by sorting the vocabulary,
-           `sparse` (the engine's default) keeps q where it is nonzero (DSpine: the
-           candidates, from the vocab_top_k kernel on GPU/TPU);
-  verify   the target pass over the block + the verification rule (dense: warped p [B, K, V] by
-           a sort; sparse: the warp's threshold from a partial top-k, p and q built for
-           one row);
+  verify   the target pass over the block + the verification rule;
+           `--proposal dense` builds q [B, K-1, V] and a warped p [B, K, V] (a sort of the
+           vocabulary at T > 0); `sparse` (the engine's default) keeps q where it is
+           nonzero and builds p and q for one row (DSpine's candidates from the
+           `--proposal-kernel` implementation of vocab_top_k);
   accept   step - draft - verify: cache bookkeeping, context extension, emission.
 Drafters are freshly initialised (5 layers at the target's width, block 16): step times do
 not depend on their weights, acceptance does, so the implied speedup is reported at
-tau = 4, 6, 8 as tau * t_AR / t_step. The floor is the bytes a pass must read (target +
-drafter weights and both caches) over the copy bandwidth measured in the same process.
+tau = 4, 6, 8 as tau * t_AR / t_step (against AR on the same backend and context). The
+floor is the bytes a pass must read (target + drafter weights and both caches) over the
+copy bandwidth measured in the same process.
+--context N and --attention-backend work as in decode_step.py: the caches' lengths jump
+to N after a --prompt-len prefill, and each backend is timed side by side.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import json
 import statistics
 import time
@@ -31,7 +37,8 @@ from datetime import date
 import jax
 import numpy as np
 
-from dspine_benchmarks.decode_step import jax_copy_bandwidth, load_jax_target, median_time, step_bytes
+from dspine_benchmarks.decode_step import (jax_copy_bandwidth, load_jax_target, median_time,
+                                           pool_pages, step_bytes, with_context)
 
 
 def parse_args():
@@ -40,6 +47,11 @@ def parse_args():
     p.add_argument("--methods", nargs="+", default=["ar", "dflash", "dspine"])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--context", type=int, nargs="+", default=None,
+                   help="cache lengths to time passes at (default: --prompt-len)")
+    p.add_argument("--attention-backend", nargs="+", default=["auto"],
+                   choices=["auto", "pallas", "xla"], help="backends to time side by side")
+    p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--steps-per-call", type=int, default=8)
     p.add_argument("--calls", type=int, default=4)
     p.add_argument("--block-size", type=int, default=16)
@@ -60,74 +72,91 @@ def parse_args():
     return p.parse_args()
 
 
-def make_decoder(method, model, config, args, proposal="sparse"):
+def make_decoder(method, model, config, args, backend, num_pages, proposal="sparse"):
     from dspine_jax.drafters.config import DrafterConfig
     from dspine_jax.drafters.model import BlockDrafter
     from dspine_jax.engine import SpeculativeEngine
     from dspine_jax.generate import AutoregressiveGenerator
 
+    options = dict(steps_per_call=args.steps_per_call, attention_backend=backend,
+                   page_size=args.page_size, num_pages=num_pages)
     if method == "ar":
-        return AutoregressiveGenerator(model, steps_per_call=args.steps_per_call), 0
+        return AutoregressiveGenerator(model, **options), 0
     dconfig = DrafterConfig.for_target(config, kind=method, num_layers=args.draft_layers,
                                        mask_token_id=1, block_size=args.block_size)
     drafter = BlockDrafter.create(dconfig, model.output_embedding(), dtype=model.dtype)
     drafter_params = sum(x.size for x in jax.tree.leaves(
         __import__("flax").nnx.state(drafter)))
-    return SpeculativeEngine(model, drafter, steps_per_call=args.steps_per_call,
-                             proposal_impl=proposal, proposal_kernel=args.proposal_kernel
-                             ), drafter_params
+    return SpeculativeEngine(model, drafter, proposal_impl=proposal,
+                             proposal_kernel=args.proposal_kernel, **options), drafter_params
 
 
 def sampling_options(args, temperature) -> dict:
     if temperature == 0:
-        return dict(temperature=0.0)
-    return dict(temperature=temperature, top_p=args.top_p, top_k=args.top_k)
+        return {"temperature": 0.0}
+    return {"temperature": temperature, "top_p": args.top_p, "top_k": args.top_k}
 
 
-def stage_times(decoder, run, b, args, temperature, iterations: int = 16) -> dict:
+def stage_times(decoder, run, b, context, args, temperature=0.0, iterations: int = 16) -> dict:
     """Draft and verify alone, each repeated inside one compiled loop (so dispatch is
     amortised as in the decode loop), each iteration fed by the previous one's output
-    so nothing can be hoisted out of the loop."""
+    so nothing can be hoisted out of the loop. The state (its caches) is carried through
+    the loop and donated, as in the decode loop: the block's keys are written in place,
+    never into a copy of the page pools."""
     from dspine_jax.sampling import SamplingParams
 
     params = decoder.params()
     sampling = SamplingParams.create(b, **sampling_options(args, temperature))
-    state = run.prefill()
     key = jax.random.key(0)
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnames=("state",))
     def drafts(params, state):
-        def body(_, anchor):
-            return decoder.draft(params, state.replace(last_token=anchor), sampling, key).tokens[:, 0]
-        return jax.lax.fori_loop(0, iterations, body, state.last_token)
+        def body(_, state):
+            proposal, state = decoder.draft(params, state, sampling, key)
+            return state.replace(last_token=proposal.tokens[:, 0])
+        return jax.lax.fori_loop(0, iterations, body, state)
 
-    proposal = decoder.draft(params, state, sampling, key)
-
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnames=("state",))
     def verifies(params, state, proposal):
-        def body(_, tokens):
-            verdict, _ = decoder.verify(params, state, proposal.replace(tokens=tokens), sampling,
-                                        key)
-            return tokens.at[:, 0].set(verdict.next_token)
-        return jax.lax.fori_loop(0, iterations, body, proposal.tokens)
+        def body(_, carry):
+            tokens, state = carry
+            verdict, out = decoder.verify(params, state, proposal.replace(tokens=tokens),
+                                          sampling, key)
+            cache = out.cache.replace(lengths=state.caches[0].lengths)   # no step advances
+            return (tokens.at[:, 0].set(verdict.next_token),
+                    state.replace(caches=(cache,) + state.caches[1:]))
+        return jax.lax.fori_loop(0, iterations, body, (proposal.tokens, state))[1]
 
-    timed = {"draft_ms": lambda: jax.block_until_ready(drafts(params, state)),
-             "verify_ms": lambda: jax.block_until_ready(verifies(params, state, proposal))}
-    return {k: median_time(fn, args.repeats) / iterations * 1e3 for k, fn in timed.items()}
+    state = with_context(run.prefill(), context)
+    proposal, state = jax.jit(lambda params, state: decoder.draft(params, state, sampling, key),
+                              donate_argnames=("state",))(params, state)
+    holder = {"state": state}
+
+    def timed(loop, *extra):
+        def call():
+            holder["state"] = jax.block_until_ready(loop(params, holder["state"], *extra))
+        return call
+
+    times = {"draft_ms": timed(drafts), "verify_ms": timed(verifies, proposal)}
+    return {k: median_time(fn, args.repeats) / iterations * 1e3 for k, fn in times.items()}
 
 
-def bench(method, b, model, config, dtype, bandwidth, args, proposal="sparse", temperature=0.0):
-    decoder, drafter_params = make_decoder(method, model, config, args, proposal)
+def bench(method, b, context, backend, model, config, dtype, bandwidth, args,
+          proposal="sparse", temperature=0.0):
+    # Untrained drafters keep ~1 token per pass: 4 per pass of budget is ample, and keeps
+    # the cache capacity (which dense attention reads in full) the same as AR's.
+    new_tokens = context - args.prompt_len + 4 * (args.calls + 2) * args.steps_per_call
+    num_pages = pool_pages(b, args.prompt_len + new_tokens + args.block_size, args.page_size)
+    decoder, drafter_params = make_decoder(method, model, config, args, backend, num_pages,
+                                           proposal)
     passes = args.calls * args.steps_per_call
     prompts = np.random.default_rng(0).integers(0, config.vocab_size,
                                                 size=(b, args.prompt_len)).tolist()
-    # Untrained drafters keep ~1 token per pass: 4 per pass of budget is ample, and keeps
-    # the cache capacity (which dense attention reads in full) the same as AR's.
-    run = decoder.prepare(prompts, max_new_tokens=4 * (args.calls + 2) * args.steps_per_call,
-                          ignore_eos=True, **sampling_options(args, temperature))
+    run = decoder.prepare(prompts, max_new_tokens=new_tokens, ignore_eos=True,
+                          **sampling_options(args, temperature))
 
     def loop():
-        state = run.decode(run.prefill())
+        state = run.decode(with_context(run.prefill(), context))
         jax.block_until_ready(state)
         t0 = time.perf_counter()
         for _ in range(args.calls):
@@ -138,51 +167,55 @@ def bench(method, b, model, config, dtype, bandwidth, args, proposal="sparse", t
     loop()
     step = statistics.median(loop() for _ in range(args.repeats))
     itemsize = np.dtype(dtype).itemsize
-    context = args.prompt_len + passes
-    floor_bytes = step_bytes(config, b, context, itemsize) + drafter_params * itemsize
-    row = dict(method=method, batch=b, steps_per_call=args.steps_per_call,
-               step_ms=step * 1e3, floor_ms=floor_bytes / bandwidth * 1e3,
+    floor_bytes = step_bytes(config, b, context + passes, itemsize) + drafter_params * itemsize
+    row = dict(method=method, attention_backend=decoder.attention.name, context=context,
+               batch=b, steps_per_call=args.steps_per_call, step_ms=step * 1e3,
+               floor_ms=floor_bytes / bandwidth * 1e3,
                proposal=proposal if method != "ar" else "-", temperature=temperature,
-               proposal_kernel=args.proposal_kernel,
-               top_p=args.top_p if temperature else 1.0, top_k=args.top_k if temperature else 0)
+               top_p=args.top_p if temperature else 1.0, top_k=args.top_k if temperature else 0,
+               proposal_kernel=args.proposal_kernel)
 
     if method != "ar" and not args.no_stages:
-        row.update(stage_times(decoder, run, b, args, temperature))
+        row.update(stage_times(decoder, run, b, context, args, temperature))
         row["accept_ms"] = row["step_ms"] - row["draft_ms"] - row["verify_ms"]
     return row
 
 
 def main():
     args = parse_args()
-    model, config, dtype = load_jax_target(args.target, args.dtype)
+    contexts = args.context or [args.prompt_len]
+    positions = max(contexts) + 4 * (args.calls + 2) * args.steps_per_call + args.block_size
+    model, config, dtype = load_jax_target(args.target, args.dtype, positions)
     bandwidth = jax_copy_bandwidth()
     rows = []
-    runs = [(b, t, method, proposal) for b in args.batch for t in args.temperature
-            for method in args.methods
-            for proposal in (["-"] if method == "ar" else args.proposal)]
-    ar_ms = {}
-    for b, temperature, method, proposal in runs:
-        row = bench(method, b, model, config, dtype, bandwidth, args,
-                    proposal if method != "ar" else "sparse", temperature)
-        if method == "ar":
-            ar_ms[b, temperature] = row["step_ms"]
-        elif (b, temperature) in ar_ms:
-            for tau in (4, 6, 8):
-                row[f"speedup_tau{tau}"] = tau * ar_ms[b, temperature] / row["step_ms"]
-        row.update(target=args.target, prompt_len=args.prompt_len,
-                   block_size=args.block_size, draft_layers=args.draft_layers,
-                   bandwidth_GBps=bandwidth / 1e9, device=str(jax.devices()[0]),
-                   date=str(date.today()))
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
-    print(f"\n{'method':8} {'path':6} {'T':>4} {'B':>3} {'step ms':>9} {'floor':>7} "
+    for backend, context, b, temperature in itertools.product(
+            args.attention_backend, contexts, args.batch, args.temperature):
+        ar_ms = None
+        runs = [(m, p) for m in args.methods for p in (["-"] if m == "ar" else args.proposal)]
+        for method, proposal in runs:
+            row = bench(method, b, context, backend, model, config, dtype, bandwidth, args,
+                        proposal, temperature)
+            if method == "ar":
+                ar_ms = row["step_ms"]
+            elif ar_ms is not None:
+                for tau in (4, 6, 8):
+                    row[f"speedup_tau{tau}"] = tau * ar_ms / row["step_ms"]
+            row.update(target=args.target, prompt_len=args.prompt_len,
+                       block_size=args.block_size, draft_layers=args.draft_layers,
+                       bandwidth_GBps=bandwidth / 1e9, device=str(jax.devices()[0]),
+                       date=str(date.today()))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+    print(f"\n{'method':8} {'path':6} {'T':>4} {'attn':6} {'context':>7} {'B':>3} "
+          f"{'step ms':>9} {'floor':>7} "
           f"{'draft':>7} {'verify':>7} {'accept':>7} {'x@tau4':>7} {'x@tau6':>7} {'x@tau8':>7}")
     for r in rows:
         f = lambda k: f"{r[k]:7.2f}" if k in r else "      -"  # noqa: E731
-        print(f"{r['method']:8} {r['proposal']:6} {r['temperature']:4.2g} {r['batch']:3d} "
+        print(f"{r['method']:8} {r['proposal']:6} {r['temperature']:4.2g} "
+              f"{r['attention_backend']:6} {r['context']:7d} {r['batch']:3d} "
               f"{r['step_ms']:9.3f} {f('floor_ms')} "
               f"{f('draft_ms')} {f('verify_ms')} {f('accept_ms')} {f('speedup_tau4')} "
               f"{f('speedup_tau6')} {f('speedup_tau8')}")

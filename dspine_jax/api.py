@@ -69,6 +69,14 @@ def resolve_method(target: str | Path | None, drafter: str | Path | None,
     return MethodChoice(kind, folder)
 
 
+def check_attention_backend(name: str) -> None:
+    from dspine_jax.attention import BACKENDS
+
+    if name not in BACKENDS:
+        raise InputError(f"attention backend must be one of {', '.join(BACKENDS)}; "
+                         f"got {name!r}")
+
+
 @dataclasses.dataclass
 class Prompt:
     text: str
@@ -112,23 +120,30 @@ class Pipeline:
     @classmethod
     def load(cls, target: str | Path = DEFAULT_TARGET, drafter: str | Path | None = None, *,
              method: str | None = None, dtype: str = "auto",
-             steps_per_call: int | None = None) -> "Pipeline":
-        """`method` defaults to whatever `drafter` is (see `resolve_method`). Every argument
-        is checked before the target loads, so a typo costs no load time."""
+             steps_per_call: int | None = None,
+             attention_backend: str = "auto") -> "Pipeline":
+        """`method` defaults to whatever `drafter` is (see `resolve_method`);
+        `attention_backend` is auto (pallas on GPU/TPU, else xla), pallas or xla. Every
+        argument is checked before the target loads, so a typo costs no load time."""
         resolve_dtype(dtype)
+        check_attention_backend(attention_backend)
         choice = resolve_method(target, drafter, method)
-        return cls.from_choice(load_target(target, dtype=dtype), choice, steps_per_call)
+        return cls.from_choice(load_target(target, dtype=dtype), choice, steps_per_call,
+                               attention_backend=attention_backend)
 
     @classmethod
     def from_loaded(cls, loaded: LoadedTarget, drafter: str | Path | None = None, *,
-                    method: str | None = None, steps_per_call: int | None = None) -> "Pipeline":
+                    method: str | None = None, steps_per_call: int | None = None,
+                    attention_backend: str = "auto") -> "Pipeline":
         """A pipeline over an already loaded target (several drafters share one target)."""
         # A loaded target has a path, not a name: it has no built-in drafter to default to.
-        return cls.from_choice(loaded, resolve_method(None, drafter, method), steps_per_call)
+        return cls.from_choice(loaded, resolve_method(None, drafter, method), steps_per_call,
+                               attention_backend=attention_backend)
 
     @classmethod
     def from_choice(cls, loaded: LoadedTarget, choice: MethodChoice,
-                    steps_per_call: int | None = None) -> "Pipeline":
+                    steps_per_call: int | None = None, *,
+                    attention_backend: str = "auto") -> "Pipeline":
         """A pipeline for a `resolve_method` result (checked before the target loaded)."""
         from dspine_jax.drafters.checkpoint import load_drafter
         from dspine_jax.engine import SpeculativeEngine
@@ -137,11 +152,13 @@ class Pipeline:
         eos = loaded.tokenizer.eos_token_ids if loaded.tokenizer is not None else ()
         if choice.drafter is None:
             decoder = AutoregressiveGenerator(loaded.model, eos_token_ids=eos,
-                                              steps_per_call=steps_per_call or 8)
+                                              steps_per_call=steps_per_call or 8,
+                                              attention_backend=attention_backend)
             return cls(loaded, decoder, "ar")
         model = load_drafter(choice.drafter, dtype=loaded.model.dtype)
         decoder = SpeculativeEngine(loaded.model, model, eos_token_ids=eos,
-                                    steps_per_call=steps_per_call or 4)
+                                    steps_per_call=steps_per_call or 4,
+                                    attention_backend=attention_backend)
         return cls(loaded, decoder, choice.method)
 
     def encode(self, prompt: Prompt | str) -> list[int]:

@@ -54,6 +54,10 @@ def generate(
     batch_size: int = typer.Option(8, "--batch-size", min=1, metavar="B",
                                    help="Prompts decoded together."),
     dtype: str = typer.Option("auto", metavar="auto|bf16|f32"),
+    attention_backend: str = typer.Option(
+        "auto", "--attention-backend", metavar="auto|pallas|xla",
+        help="auto: pallas (the paged-attention kernel) on GPU/TPU, xla elsewhere; pallas "
+             "on the CPU runs the kernel in interpret mode (slow)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per prompt on stdout."),
 ):
     """Generate text: autoregressive, or speculative with a DFlash or DSpine drafter."""
@@ -70,7 +74,8 @@ def generate(
                              "the message to answer)")
         prompts = ([Prompt(prompt, chat)] if prompt is not None
                    else read_prompts_file(prompts_file, chat))
-        pipe = Pipeline.load(target, drafter, method=method, dtype=dtype)
+        pipe = Pipeline.load(target, drafter, method=method, dtype=dtype,
+                             attention_backend=attention_backend)
         options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                        top_k=top_k, seed=seed, ignore_eos=ignore_eos)
         if as_json or len(prompts) > 1:
@@ -146,6 +151,9 @@ def evaluate_command(
         help="Skip (and count) longer prompts; default: whatever fits the context."),
     seed: int = typer.Option(0, metavar="S"),
     dtype: str = typer.Option("auto", metavar="auto|bf16|f32"),
+    attention_backend: str = typer.Option(
+        "auto", "--attention-backend", metavar="auto|pallas|xla",
+        help="auto: pallas on GPU/TPU, xla elsewhere."),
 ):
     """Acceptance length, tokens/s and speedup over AR on the benchmark suite."""
     try:
@@ -160,7 +168,8 @@ def evaluate_command(
             raise InputError(f"unknown benchmark(s) {unknown}; known: {', '.join(BENCHMARKS)}")
         evaluate(target, drafter, names, out, temperature=temperature,
                  max_new_tokens=max_new_tokens, limit=limit, batch_size=batch_size, seed=seed,
-                 dtype=dtype, max_prompt_tokens=max_prompt_tokens)
+                 dtype=dtype, max_prompt_tokens=max_prompt_tokens,
+                 attention_backend=attention_backend)
     except DSpineError as e:
         _fail(e)
     typer.echo((out / "results.md").read_text())
@@ -232,15 +241,44 @@ def export(
         source = resolve_drafter(drafter)
         dest = _empty_folder(out)
         model = load_drafter(source, dtype=jnp.float32)
+        model.config.check_reference_layout()
         table = None
         if model.config.dspine is not None and code_table:
-            loaded = load_target(target, dtype="f32")
+            loaded = load_target(target, dtype="f32", with_tokenizer=False)  # lm_head only
             model.config.check_target(loaded.config)
             table = model.code_table(loaded.model.output_embedding())
-        save_drafter(model, dest, dtype=resolve_dtype(dtype), code_table=table)
+        save_drafter(model, dest, dtype=resolve_dtype(dtype), code_table=table,
+                     remote_code=True)
     except DSpineError as e:
         _fail(e)
     typer.echo(f"exported {model.config.kind} drafter to {dest} ({format}, {dtype})")
+
+
+@app.command(short_help="Check the PyTorch port (dspine_torch) against JAX.")
+def parity(
+    target: str = typer.Option(..., "--target", metavar="NAME|PATH",
+                               help="HF checkpoint folder (or built-in name that is one)."),
+    drafter: str = typer.Option(..., "--drafter", metavar="NAME|PATH"),
+    prompts: Optional[Path] = typer.Option(
+        None, "--prompts", metavar="FILE.jsonl",
+        help='One {"prompt": text} or {"token_ids": [...]} per line; default: 3 fixed.'),
+    temperature: float = typer.Option(0.8, metavar="T", help="Temperature of the compared "
+                                      "q distributions (tokens are compared at T = 0)."),
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens", min=1, metavar="N"),
+    dtype: str = typer.Option("f32", metavar="f32|bf16"),
+):
+    """Run the same prompts through JAX and PyTorch; report each stage's max difference
+    and T = 0 token agreement. Exit 0 only when every stage is within tolerance."""
+    try:
+        from dspine_jax.parity import format_report, run_parity
+
+        results, ok = run_parity(target, drafter, prompts_file=prompts,
+                                 temperature=temperature, max_new_tokens=max_new_tokens,
+                                 dtype=dtype)
+    except DSpineError as e:
+        _fail(e)
+    typer.echo(format_report(results, ok))
+    raise typer.Exit(code=0 if ok else 1)
 
 
 data_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,

@@ -2,7 +2,10 @@
 the device-side step loop, token emission (EOS, budget) and the host streaming loop.
 
 A decoder defines three things: the caches it needs, a prefill that returns the first
-token, and one step (one target pass) that proposes tokens for `emit`. Prefill and the
+token, and one step (one target pass) that proposes tokens for `emit`. Caches are paged:
+each batch gets a page pool (host bookkeeping in `PagePool`; every row's pages for its
+prompt, budget and the step's extra positions are allocated up front) and every model's
+cache shares its page table. Attention runs on the decoder's `attention` backend. Prefill and the
 step loop are compiled once per shape bucket (batch, prompt length and budget rounded up
 to powers of two), before timing starts, so `seconds` never includes compilation.
 `steps_per_call` steps run per host round trip in a `lax.while_loop`.
@@ -22,7 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from dspine_jax.attention import AttentionBackend, select_backend
 from dspine_jax.errors import InputError
+from dspine_jax.kv_cache import DEFAULT_PAGE_SIZE, PagePool, pages_needed
 from dspine_jax.sampling import SamplingParams
 from dspine_jax.target import TargetModel
 
@@ -119,9 +124,18 @@ class BatchDecoder:
     extra_capacity = 0  # cache positions a step writes past the last emitted token
 
     def __init__(self, target: TargetModel, *, eos_token_ids: Sequence[int] = (),
-                 steps_per_call: int = 8):
+                 steps_per_call: int = 8,
+                 attention_backend: str | AttentionBackend | None = "auto",
+                 page_size: int = DEFAULT_PAGE_SIZE, num_pages: int | None = None):
+        """attention_backend: "auto" (pallas where the platform compiles it, else xla),
+        "pallas", "xla" or an AttentionBackend. num_pages: the page pool's size per batch
+        (default: enough for every row at the batch's capacity)."""
         self.config = target.config
         self.dtype = target.dtype
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.attention = select_backend(attention_backend, self.attention_configs(target),
+                                        dtype=target.dtype, page_size=page_size)
         self.target_graph, self.target_params = nnx.split(target)
         self.eos = jnp.asarray(list(eos_token_ids) or [-1], jnp.int32)
         self.steps_per_call = steps_per_call
@@ -131,7 +145,12 @@ class BatchDecoder:
     def params(self) -> tuple:
         return (self.target_params,)
 
-    def create_caches(self, batch_size: int, capacity: int) -> tuple:
+    def attention_configs(self, target: TargetModel) -> list:
+        """Layer configs of every model whose attention runs on the backend."""
+        return [target.config]
+
+    def create_caches(self, page_table: np.ndarray, num_pages: int) -> tuple:
+        """Empty caches over one page table [B, PPS] of a pool of num_pages pages."""
         raise NotImplementedError
 
     def prefill_step(self, params, tokens, lengths, caches, sampling, rng):
@@ -211,6 +230,7 @@ class BatchDecoder:
         out_len = bucket(max_new_tokens)
         capacity = min(bucket(longest + max_new_tokens + self.extra_capacity),
                        self.config.max_position_embeddings)
+        page_table, num_pages = self.allocate_pages(prompts, max_new_tokens, capacity)
         tokens = np.zeros((b, prompt_len), np.int32)
         for i, p in enumerate(prompts):
             tokens[i, :len(p)] = p
@@ -220,22 +240,35 @@ class BatchDecoder:
         ignore = jnp.asarray(ignore_eos)
         params = self.params()
 
-        def args():  # fresh caches per call: prefill donates them
-            return (params, tokens, lengths, self.create_caches(b, capacity), sampling,
-                    budget, rng, ignore)
+        def args(abstract=False):  # fresh caches per call: prefill donates them
+            caches = functools.partial(self.create_caches, page_table, num_pages)
+            return (params, tokens, lengths, jax.eval_shape(caches) if abstract else caches(),
+                    sampling, budget, rng, ignore)
 
         t0 = time.perf_counter()
         greedy = sampling.all_greedy  # greedy batches trace no sampling at all
-        prefill = self._compile(("prefill", b, prompt_len, capacity, out_len, greedy),
-                                self._prefill_fn, *args(), out_len, static=("out_len",),
+        shape = (b, capacity, num_pages, out_len, greedy)
+        # compiled from shapes: no page pool is allocated until the first prefill
+        prefill = self._compile(("prefill", prompt_len) + shape, self._prefill_fn,
+                                *args(abstract=True), out_len, static=("out_len",),
                                 donate=("caches",))
-        state = jax.eval_shape(functools.partial(self._prefill_fn, out_len=out_len), *args())
-        decode = self._compile(("decode", b, capacity, out_len, greedy), self._decode_fn, params,
-                               state, sampling, ignore, self.steps_per_call,
-                               static=("num_steps",), donate=("state",))
+        state = jax.eval_shape(functools.partial(self._prefill_fn, out_len=out_len),
+                               *args(abstract=True))
+        decode = self._compile(("decode",) + shape, self._decode_fn, params, state, sampling,
+                               ignore, self.steps_per_call, static=("num_steps",),
+                               donate=("state",))
         return PreparedBatch(prefill=lambda: prefill(*args()),
                              decode=lambda s: decode(params, s, sampling, ignore),
                              compile_seconds=time.perf_counter() - t0)
+
+    def allocate_pages(self, prompts, max_new_tokens: int, capacity: int):
+        """Every row's pages for its prompt, budget and extra positions, from one pool.
+        -> (page table [B, PPS] with PPS = capacity / page size, the pool's size)."""
+        width = pages_needed(capacity, self.page_size)
+        pool = PagePool(self.num_pages or len(prompts) * width, self.page_size)
+        for row, p in enumerate(prompts):
+            pool.allocate(row, min(len(p) + max_new_tokens + self.extra_capacity, capacity))
+        return pool.page_table(range(len(prompts)), width), pool.num_pages
 
     def generate(self, prompts: Sequence[Sequence[int]], *,
                  on_tokens: Callable[[int, list[int]], None] | None = None,

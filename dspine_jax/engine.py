@@ -1,13 +1,18 @@
 """Speculative decoding with a DFlash or DSpine drafter: lossless, batched, compiled once.
 
 Invariant between steps, per row: the target cache and the drafter context hold
-positions 0 .. L-1; the anchor (the last emitted token) sits at position L.
+positions 0 .. L-1; the anchor (the last emitted token) sits at position L. Both caches
+are paged over one page table (the context follows the target's pages), each row's pages
+reaching L + K for every L the row can reach.
 One step = three separable stages:
-  draft   one drafter pass over [anchor, MASK...] -> K-1 draft tokens and their q
-  verify  one target pass over [anchor, drafts] -> p at every position, target features
+  draft   one drafter pass over [anchor, MASK...] -> K-1 draft tokens and their q; the
+          block's keys go into the context's pages at L .. L + K - 1, its length stays L
+  verify  one target pass over [anchor, drafts] -> p at every position, target features;
+          the block's keys go into the target's pages at L .. L + K - 1
   accept  the verification rule keeps n drafts and adds one target token; the target
           cache rolls back to L + n + 1, the drafter context gains the features of
-          positions L .. L + n, and the target's token becomes the next anchor.
+          positions L .. L + n (over the draft's entries), and the target's token
+          becomes the next anchor.
 Rows advance by different amounts; finished rows are frozen.
 
 Shape legend: B batch, K block size, V vocab, F fused feature width.
@@ -23,7 +28,8 @@ from flax import nnx
 
 from dspine_jax.decoding import BatchDecoder, DecodeState, emit
 from dspine_jax.drafters.model import BlockDrafter
-from dspine_jax.kv_cache import KVCache
+from dspine_jax.attention import AttentionMetadata
+from dspine_jax.kv_cache import PagedKVCache
 from dspine_jax.sampling import sample_tokens, target_probabilities
 from dspine_jax.speculative.propose import Proposal
 from dspine_jax.speculative.verify import Verdict, verify, verify_logits
@@ -33,8 +39,9 @@ from dspine_jax.target import TargetModel
 class SpeculativeEngine(BatchDecoder):
     def __init__(self, target: TargetModel, drafter: BlockDrafter, *,
                  eos_token_ids: Sequence[int] = (), steps_per_call: int = 4,
-                 proposal_impl: str = "sparse", proposal_kernel: str = "xla"):
-        """proposal_impl: "sparse" (q and p only where needed, no [K, V] warp) or "dense"
+                 proposal_impl: str = "sparse", proposal_kernel: str = "xla", **options):
+        """options: BatchDecoder's (attention_backend, page_size, num_pages).
+        proposal_impl: "sparse" (q and p only where needed, no [K, V] warp) or "dense"
         (the original [B, K, V] p and q, kept for comparison). proposal_kernel: the
         `vocab_top_k` implementation of DSpine's sparse proposal ("xla", "auto",
         "pallas_gpu", "pallas_tpu"); "xla" until the Pallas kernels have run on hardware."""
@@ -42,8 +49,9 @@ class SpeculativeEngine(BatchDecoder):
         drafter.proposer(proposal_impl)  # refuses an unknown name now, not at trace time
         self.proposal_impl = proposal_impl
         self.proposal_kernel = proposal_kernel
-        super().__init__(target, eos_token_ids=eos_token_ids, steps_per_call=steps_per_call)
         self.drafter_config = drafter.config
+        super().__init__(target, eos_token_ids=eos_token_ids, steps_per_call=steps_per_call,
+                         **options)
         self.block_size = drafter.config.block_size
         self.extra_capacity = self.block_size  # verify writes a whole block past the anchor
         self.layer_ids = tuple(drafter.config.target_layer_ids)
@@ -55,32 +63,45 @@ class SpeculativeEngine(BatchDecoder):
     def drafter(self, params) -> BlockDrafter:
         return nnx.merge(self.drafter_graph, params[1])
 
-    def create_caches(self, batch_size: int, capacity: int) -> tuple:
-        context = KVCache.create(self.drafter_config.layer_config(), batch_size, capacity,
-                                 self.dtype)
-        return (KVCache.create(self.config, batch_size, capacity, self.dtype), context)
+    def attention_configs(self, target) -> list:
+        return [target.config, self.drafter_config.layer_config()]
+
+    def create_caches(self, page_table, num_pages) -> tuple:
+        def cache(config):
+            return PagedKVCache.create(config, page_table, num_pages, page_size=self.page_size,
+                                       dtype=self.dtype)
+        return (cache(self.config), cache(self.drafter_config.layer_config()))
 
     def prefill_step(self, params, tokens, lengths, caches, sampling, rng):
         target_cache, context = caches
-        out = self.target(params)(tokens, target_cache, hidden_layer_ids=self.layer_ids,
+        # right-padded prompts [B, P]: row b's first lengths[b] tokens are real
+        metadata = AttentionMetadata.paged(target_cache.lengths, target_cache.page_table,
+                                           tokens.shape[1], q_lens=lengths)
+        out = self.target(params)(tokens, target_cache, metadata=metadata,
+                                  attention=self.attention, hidden_layer_ids=self.layer_ids,
                                   logits_at=(lengths - 1)[:, None])
         first = sample_tokens(out.logits[:, 0], sampling, rng)
-        context = self.drafter(params).extend_context(context, out.features(),
-                                                      lengths)
-        return first, (out.cache.replace(lengths=lengths), context)
+        context = self.drafter(params).extend_context(context, out.features(), lengths,
+                                                      attention=self.attention)
+        return first, (out.cache, context)
 
     # ----- the three stages ------------------------------------------------------------------
-    def draft(self, params, state: DecodeState, sampling, rng) -> Proposal:
+    def draft(self, params, state: DecodeState, sampling,
+              rng) -> tuple[Proposal, DecodeState]:
+        """-> the proposal, and the state whose context pages hold the block's keys."""
         drafter, target = self.drafter(params), self.target(params)
         e_out = target.output_embedding()
         out = drafter.draft_block(state.last_token, state.caches[1], target.input_embedding(),
-                                  e_out)
-        return drafter.proposer(self.proposal_impl, self.proposal_kernel).propose(
+                                  e_out, attention=self.attention)
+        state = state.replace(caches=(state.caches[0], out.context))
+        proposal = drafter.proposer(self.proposal_impl, self.proposal_kernel).propose(
             out, state.last_token, e_out, sampling, rng)
+        return proposal, state
 
     def verify(self, params, state: DecodeState, proposal: Proposal, sampling, rng):
         block = jnp.concatenate([state.last_token[:, None], proposal.tokens], axis=1)
-        out = self.target(params)(block, state.caches[0], hidden_layer_ids=self.layer_ids)
+        out = self.target(params)(block, state.caches[0], attention=self.attention,
+                                  hidden_layer_ids=self.layer_ids)
         if self.proposal_impl == "dense":
             p = target_probabilities(out.logits, sampling)
             return verify(proposal.tokens, proposal.dense_q(), p, rng), out
@@ -94,7 +115,7 @@ class SpeculativeEngine(BatchDecoder):
         kept = jnp.where(active, n + 1, 0)             # anchor + accepted drafts enter caches
         target_cache = target_out.cache.replace(lengths=target_cache.lengths + kept)
         context = self.drafter(params).extend_context(
-            context, target_out.features(), kept)
+            context, target_out.features(), kept, attention=self.attention)
         # Emitted: the accepted drafts, then the target's token.
         tokens = jnp.concatenate([proposal.tokens, jnp.zeros_like(proposal.tokens[:, :1])], 1)
         tokens = tokens.at[jnp.arange(tokens.shape[0]), n].set(verdict.next_token)
@@ -104,6 +125,6 @@ class SpeculativeEngine(BatchDecoder):
     def step(self, params, state: DecodeState, sampling, ignore_eos) -> DecodeState:
         rng, draft_key, verify_key = jax.random.split(state.rng, 3)
         state = state.replace(rng=rng)
-        proposal = self.draft(params, state, sampling, draft_key)
+        proposal, state = self.draft(params, state, sampling, draft_key)
         verdict, target_out = self.verify(params, state, proposal, sampling, verify_key)
         return self.accept(params, state, proposal, verdict, target_out, ignore_eos)

@@ -5,26 +5,32 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dspine_jax.attention import AttentionMetadata
 from dspine_jax.decoding import (BatchDecoder, BatchResult, DecodeState, Generation,
                                  PreparedBatch, bucket, emit)
-from dspine_jax.kv_cache import KVCache
+from dspine_jax.kv_cache import PagedKVCache
 from dspine_jax.sampling import sample_tokens
 
 __all__ = ["AutoregressiveGenerator", "BatchResult", "Generation", "PreparedBatch", "bucket"]
 
 
 class AutoregressiveGenerator(BatchDecoder):
-    def create_caches(self, batch_size: int, capacity: int) -> tuple:
-        return (KVCache.create(self.config, batch_size, capacity, self.dtype),)
+    def create_caches(self, page_table, num_pages) -> tuple:
+        return (PagedKVCache.create(self.config, page_table, num_pages,
+                                    page_size=self.page_size, dtype=self.dtype),)
 
     def prefill_step(self, params, tokens, lengths, caches, sampling, rng):
-        out = self.target(params)(tokens, caches[0], logits_at=(lengths - 1)[:, None])
+        # right-padded prompts [B, P]: row b's first lengths[b] tokens are real
+        metadata = AttentionMetadata.paged(caches[0].lengths, caches[0].page_table,
+                                           tokens.shape[1], q_lens=lengths)
+        out = self.target(params)(tokens, caches[0], metadata=metadata,
+                                  attention=self.attention, logits_at=(lengths - 1)[:, None])
         first = sample_tokens(out.logits[:, 0], sampling, rng)
-        return first, (out.cache.replace(lengths=lengths),)
+        return first, (out.cache,)
 
     def step(self, params, state: DecodeState, sampling, ignore_eos) -> DecodeState:
         cache = state.caches[0]
-        out = self.target(params)(state.last_token[:, None], cache)
+        out = self.target(params)(state.last_token[:, None], cache, attention=self.attention)
         rng, key = jax.random.split(state.rng)
         token = sample_tokens(out.logits[:, 0], sampling, key)
         active = ~state.done

@@ -1,53 +1,171 @@
-"""The target's KV cache: fixed capacity, per-row lengths.
+"""Paged KV caches: a page pool per model, a page table per sequence.
 
-Row b holds valid entries at positions [0, lengths[b]). A forward of T new tokens writes
-them at lengths[b] .. lengths[b] + T - 1 and attends causally to everything up to itself.
-Rolling back (speculative decoding's rejected tokens) is only a smaller `lengths`: entries
-past it are masked out by causality and overwritten by the next write.
+Each layer keeps its keys and values in pools [P, PS, K, H]. Row b's position p lives in
+page page_table[b, p // PS], slot p % PS; row b holds valid entries at positions
+[0, lengths[b]). A forward writes its new tokens past that length; rolling back
+(speculative decoding's rejected tokens) is a smaller `lengths`, and what lies past it is
+never read (attention stops at the length) and is overwritten by the next write.
+
+Which pages a sequence owns is host-side bookkeeping (`PagePool`); the device sees only
+the page table. Table entries past a row's pages hold P, out of range, so a stray write
+there is dropped by the scatter instead of landing on another row's page.
+
+Shape legend: B batch, T new tokens, P pages in the pool, PS page size, PPS pages per row
+(the page table's width), S = PPS * PS a row's capacity, K kv heads, H head dim.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from dspine_jax.config import TargetConfig
+from dspine_jax.errors import DSpineError
+
+DEFAULT_PAGE_SIZE = 16
+
+
+class OutOfPagesError(DSpineError, RuntimeError):
+    """The page pool cannot hold what a request needs."""
+
+
+def pages_needed(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+class PagePool:
+    """Host-side allocator of one pool's pages to sequences (any hashable id).
+
+    Models that share a page table (a target and its drafter's context) share one pool:
+    the same page ids index each model's own pools.
+    """
+
+    def __init__(self, num_pages: int, page_size: int = DEFAULT_PAGE_SIZE):
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"a page pool needs num_pages >= 1 and page_size >= 1, got "
+                             f"{num_pages} and {page_size}")
+        self.num_pages, self.page_size = num_pages, page_size
+        self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
+        self._owned: dict = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def pages(self, seq) -> list[int]:
+        return list(self._owned.get(seq, ()))
+
+    def allocate(self, seq, num_tokens: int) -> list[int]:
+        """Grow `seq` to hold `num_tokens` positions; returns its pages, in order."""
+        owned = self._owned.setdefault(seq, [])
+        more = pages_needed(num_tokens, self.page_size) - len(owned)
+        if more > len(self._free):
+            raise OutOfPagesError(
+                f"out of KV pages: sequence {seq!r} needs {more} more page(s) of "
+                f"{self.page_size} tokens for {num_tokens} positions, but only "
+                f"{len(self._free)} of the pool's {self.num_pages} pages are free; use a "
+                "larger pool (num_pages), a smaller batch or fewer new tokens")
+        owned.extend(self._free.pop() for _ in range(max(0, more)))
+        return list(owned)
+
+    def rollback(self, seq, length: int) -> None:
+        """Keep positions [0, length): whole pages past it return to the pool."""
+        owned = self._owned.get(seq, [])
+        keep = pages_needed(length, self.page_size)
+        while len(owned) > keep:
+            self._free.append(owned.pop())
+
+    def free(self, seq) -> None:
+        self.rollback(seq, 0)
+        self._owned.pop(seq, None)
+
+    def page_table(self, seqs, width: int) -> np.ndarray:
+        """[len(seqs), width] int32: each sequence's pages, then P (out of range)."""
+        table = np.full((len(seqs), width), self.num_pages, np.int32)
+        for row, seq in enumerate(seqs):
+            pages = self._owned.get(seq, [])
+            if len(pages) > width:
+                raise ValueError(f"sequence {seq!r} owns {len(pages)} pages, more than the "
+                                 f"page table's width {width}")
+            table[row, :len(pages)] = pages
+        return table
 
 
 @struct.dataclass
-class KVCache:
-    keys: tuple[jax.Array, ...]    # per layer [B, S, K, H]
-    values: tuple[jax.Array, ...]  # per layer [B, S, K, H]
-    lengths: jax.Array             # [B] int32
+class PagedKVCache:
+    k_pages: tuple[jax.Array, ...]  # per layer [P, PS, K, H]
+    v_pages: tuple[jax.Array, ...]  # per layer [P, PS, K, H]
+    page_table: jax.Array           # [B, PPS] int32
+    lengths: jax.Array              # [B] int32
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pages[0].shape[1]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_pages[0].shape[0]
 
     @property
     def capacity(self) -> int:
-        return self.keys[0].shape[1]
+        """Positions the page table can address per row (S)."""
+        return self.page_table.shape[1] * self.page_size
 
     @property
     def batch_size(self) -> int:
-        return self.keys[0].shape[0]
+        return self.page_table.shape[0]
 
     @classmethod
-    def create(cls, config: TargetConfig, batch_size: int, capacity: int,
-               dtype=jnp.float32) -> "KVCache":
-        shape = (batch_size, capacity, config.num_key_value_heads, config.head_dim)
+    def create(cls, config: TargetConfig, page_table, num_pages: int, *,
+               page_size: int = DEFAULT_PAGE_SIZE, dtype=jnp.float32,
+               fill: float = 0.0) -> "PagedKVCache":
+        """Empty pools for `config`'s layers over a page table [B, PPS]. Tests fill
+        with NaN so that any read past a length shows up in the outputs."""
+        shape = (num_pages, page_size, config.num_key_value_heads, config.head_dim)
         layers = range(config.num_hidden_layers)
-        return cls(keys=tuple(jnp.zeros(shape, dtype) for _ in layers),
-                   values=tuple(jnp.zeros(shape, dtype) for _ in layers),
-                   lengths=jnp.zeros((batch_size,), jnp.int32))
+        page_table = jnp.asarray(page_table, jnp.int32)
+        return cls(k_pages=tuple(jnp.full(shape, fill, dtype) for _ in layers),
+                   v_pages=tuple(jnp.full(shape, fill, dtype) for _ in layers),
+                   page_table=page_table,
+                   lengths=jnp.zeros((page_table.shape[0],), jnp.int32))
 
-    def rollback(self, lengths: jax.Array) -> "KVCache":
-        """Forget every entry at or past `lengths` [B]."""
+    @classmethod
+    def contiguous(cls, config: TargetConfig, batch_size: int, capacity: int,
+                   dtype=jnp.float32, *, page_size: int = DEFAULT_PAGE_SIZE,
+                   fill: float = 0.0) -> "PagedKVCache":
+        """Row b owns pages b * PPS .. (b + 1) * PPS - 1: for one-off forwards and tests."""
+        width = pages_needed(capacity, page_size)
+        table = np.arange(batch_size * width, dtype=np.int32).reshape(batch_size, width)
+        return cls.create(config, table, batch_size * width, page_size=page_size,
+                          dtype=dtype, fill=fill)
+
+    def rollback(self, lengths: jax.Array) -> "PagedKVCache":
+        """Forget every entry at or past `lengths` [B] (pages stay with their rows)."""
         return self.replace(lengths=jnp.minimum(self.lengths, lengths))
 
+    def dense(self, layer: int):
+        """Layer `layer`'s keys and values as [B, S, K, H] views (tests, debugging)."""
+        return (gather_pages(self.k_pages[layer], self.page_table),
+                gather_pages(self.v_pages[layer], self.page_table))
 
-def write_kv(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
-    """Scatter new [B, T, K, H] into cache [B, S, K, H] at positions [B, T].
 
-    Out-of-range positions are dropped, never clamped onto valid entries; callers check
-    capacity on the host before generating.
-    """
-    rows = jnp.arange(new.shape[0])[:, None]
-    return cache.at[rows, positions].set(new.astype(cache.dtype), mode="drop")
+def write_pages(pages: jax.Array, new: jax.Array, page_table: jax.Array,
+                positions: jax.Array, valid: jax.Array) -> jax.Array:
+    """Scatter new [B, T, K, H] into pages [P, PS, K, H] at positions [B, T] where valid
+    [B, T]. Invalid tokens, and positions past the page table, are dropped."""
+    num_pages, page_size = pages.shape[:2]
+    width = page_table.shape[1]
+    entry = positions // page_size
+    page = jnp.take_along_axis(page_table, jnp.clip(entry, 0, width - 1), axis=1)
+    page = jnp.where(valid & (entry < width), page, num_pages)  # out of range: dropped
+    return pages.at[page, positions % page_size].set(new.astype(pages.dtype), mode="drop")
+
+
+def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
+    """[P, PS, K, H] pools, [B, PPS] table -> [B, S, K, H], each row's pages in order.
+    Out-of-range entries read a clamped page: callers mask positions past the length."""
+    b, width = page_table.shape
+    _, page_size, k, h = pages.shape
+    return jnp.take(pages, page_table, axis=0, mode="clip").reshape(b, width * page_size, k, h)

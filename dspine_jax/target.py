@@ -1,12 +1,13 @@
 """Target language models (Qwen3 and Llama families) in Flax NNX.
 
 One forward serves every use: full-sequence training features (no cache), batched ragged
-prefill, single-token decode and multi-token verification (with a KV cache). It can return
-the hidden states after chosen layers, which is what the drafters condition on.
+prefill, single-token decode and multi-token verification (with a paged KV cache). It can
+return the hidden states after chosen layers, which is what the drafters condition on.
+Attention goes through an `AttentionBackend` under one `AttentionMetadata` per forward.
 
 Shape legend:
-  B batch, T new tokens, S cache capacity (keys), D hidden, N query heads, K kv heads,
-  H head dim, L layers picked for features, M logit positions, V vocab.
+  B batch, T new tokens, D hidden, N query heads, K kv heads, H head dim, P pages,
+  PS page size, L layers picked for features, M logit positions, V vocab.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from dspine_jax.attention import AttentionBackend, AttentionMetadata, XlaBackend
 from dspine_jax.config import TargetConfig
 from dspine_jax.errors import ConfigError
-from dspine_jax.kv_cache import KVCache, write_kv
-from dspine_jax.layers import MLP, Embedding, Linear, RMSNorm, dot_product_attention
+from dspine_jax.kv_cache import PagedKVCache
+from dspine_jax.layers import MLP, Embedding, Linear, RMSNorm
 from dspine_jax.rope import apply_rope, rope_frequencies
 
 
@@ -29,7 +31,7 @@ class TargetOutput:
     logits: jax.Array | None          # [B, M, V] float32 (M = T unless logits_at is given)
     hidden_states: jax.Array | None   # [L, B, T, D] after the layers in hidden_layer_ids
     final_hidden: jax.Array           # [B, T, D] after the final norm (lm_head's input)
-    cache: KVCache | None
+    cache: PagedKVCache | None
 
     def features(self) -> jax.Array:
         """The picked layers side by side, [B, T, L * D]: the drafters' feature input."""
@@ -70,16 +72,15 @@ class Attention(nnx.Module):
             k = self.k_norm(k)
         return apply_rope(k, positions, *rope_frequencies(c)), v
 
-    def __call__(self, x, positions, mask, kv=None):
-        """With kv = (keys, values) [B, S, K, H], writes this step's k/v at `positions`
-        and attends over the whole cache; otherwise attends over the T new tokens."""
-        q, k, v = self.project(x, positions)
-        if kv is not None:
-            k = write_kv(kv[0], k, positions)
-            v = write_kv(kv[1], v, positions)
-        out = dot_product_attention(q, k, v, mask)
+    def __call__(self, x, metadata: AttentionMetadata, attention: AttentionBackend,
+                 pages=None):
+        """With pages = (k_pages, v_pages) [P, PS, K, H], writes this call's k/v into the
+        cache and attends over it; otherwise attends over the T new tokens.
+        -> (out [B, T, D], the pages after the write or None)."""
+        q, k, v = self.project(x, metadata.positions)
+        out, pages = attention(q, k, v, metadata, pages)
         b, t = x.shape[:2]
-        return self.o_proj(out.reshape(b, t, -1)), (k, v)
+        return self.o_proj(out.reshape(b, t, -1)), pages
 
 
 class DecoderLayer(nnx.Module):
@@ -91,10 +92,10 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
                                                 dtype=dtype)
 
-    def __call__(self, x, positions, mask, kv=None):
-        attn, kv = self.self_attn(self.input_layernorm(x), positions, mask, kv)
+    def __call__(self, x, metadata, attention, pages=None):
+        attn, pages = self.self_attn(self.input_layernorm(x), metadata, attention, pages)
         x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), kv
+        return x + self.mlp(self.post_attention_layernorm(x)), pages
 
 
 class TargetModel(nnx.Module):
@@ -125,43 +126,45 @@ class TargetModel(nnx.Module):
         return jnp.einsum("...D,VD->...V", final_hidden, self.output_embedding(),
                           preferred_element_type=jnp.float32)
 
-    def __call__(self, tokens: jax.Array, cache: KVCache | None = None, *,
+    def __call__(self, tokens: jax.Array, cache: PagedKVCache | None = None, *,
                  positions: jax.Array | None = None,
+                 metadata: AttentionMetadata | None = None,
+                 attention: AttentionBackend | None = None,
                  hidden_layer_ids: Sequence[int] = (),
                  logits_at: jax.Array | None = None,
                  return_logits: bool = True) -> TargetOutput:
         """Forward T new tokens per row.
 
-        tokens [B, T]. With a cache, row b's tokens sit at positions lengths[b] + (0..T-1)
-        and the returned cache has lengths + T (callers shrink it for ragged rows or
-        rejected drafts). Without a cache, positions default to 0..T-1 and attention is
-        causal over the T tokens. `logits_at` [B, M] picks which positions get logits.
+        tokens [B, T]. With a cache, row b's tokens sit at positions lengths[b] + (0..T-1),
+        are written into its pages and attend causally over the cache; the returned cache
+        has lengths + T (callers roll back rejected drafts). `metadata` overrides that
+        (ragged prefill: only the first q_lens[b] tokens are real, and the returned
+        lengths are metadata.kv_lens). Without a cache, positions default to 0..T-1 and
+        attention is causal over the T tokens. `attention` defaults to dense XLA.
+        `logits_at` [B, M] picks which positions get logits.
         """
         b, t = tokens.shape
         bad = [i for i in hidden_layer_ids if not 0 <= i < self.config.num_hidden_layers]
         if bad:
             raise ConfigError(f"hidden_layer_ids {bad} out of range for a "
                               f"{self.config.num_hidden_layers}-layer target")
-        if cache is not None:
-            positions = cache.lengths[:, None] + jnp.arange(t)[None, :]
-            key_positions = jnp.arange(cache.capacity)
-        else:
-            if positions is None:
-                positions = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
-            key_positions = positions
-        # [B, T, S]: a key is visible when it is not after the query.
-        mask = key_positions[..., None, :] <= positions[:, :, None]
-        if cache is None:
-            mask = mask & (jnp.arange(t)[None, :] <= jnp.arange(t)[:, None])[None]
+        attention = XlaBackend() if attention is None else attention
+        if metadata is None:
+            if cache is not None:
+                metadata = AttentionMetadata.paged(cache.lengths, cache.page_table, t)
+            else:
+                if positions is None:
+                    positions = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
+                metadata = AttentionMetadata.causal(positions)
 
         x = self.embed_tokens(tokens)
-        picked, new_keys, new_values = [], [], []
+        picked, k_pages, v_pages = [], [], []
         for i, layer in enumerate(self.layers):
-            kv = None if cache is None else (cache.keys[i], cache.values[i])
-            x, (k, v) = layer(x, positions, mask, kv)
+            pages = None if cache is None else (cache.k_pages[i], cache.v_pages[i])
+            x, pages = layer(x, metadata, attention, pages)
             if cache is not None:
-                new_keys.append(k)
-                new_values.append(v)
+                k_pages.append(pages[0])
+                v_pages.append(pages[1])
             if i in hidden_layer_ids:
                 picked.append(x)
         hidden = None
@@ -175,7 +178,7 @@ class TargetModel(nnx.Module):
             rows = final if logits_at is None else jnp.take_along_axis(
                 final, logits_at[..., None], axis=1)
             logits = self.compute_logits(rows)
-        new_cache = None if cache is None else KVCache(
-            keys=tuple(new_keys), values=tuple(new_values), lengths=cache.lengths + t)
+        new_cache = None if cache is None else cache.replace(
+            k_pages=tuple(k_pages), v_pages=tuple(v_pages), lengths=metadata.kv_lens)
         return TargetOutput(logits=logits, hidden_states=hidden, final_hidden=final,
                             cache=new_cache)

@@ -169,6 +169,8 @@ def weightless_drafter(tmp_path):
     (["--temperature", "-1"], "temperature must be a finite number >= 0"),
     (["--top-p", "1.5"], "top_p must be in (0, 1]"),
     (["--dtype", "f16"], "dtype must be one of auto"),
+    (["--attention-backend", "flash"],
+     "attention backend must be one of auto, pallas, xla; got 'flash'"),
 ])
 def test_generate_checks_before_loading(loads_nothing, tmp_path, args, message):
     from typer.testing import CliRunner
@@ -198,6 +200,19 @@ def test_pipeline_load_checks_before_loading(loads_nothing):
         Pipeline.load(drafter="/random/dir")
 
 
+def test_pallas_backend_names_the_head_dims_it_supports(tiny_llama_dir):
+    """The tiny Llama's head dim 16 is not one the paged-attention kernel runs."""
+    from typer.testing import CliRunner
+
+    from dspine_jax.cli import app
+
+    result = CliRunner().invoke(app, ["generate", "--target", str(tiny_llama_dir), "-p", "hi",
+                                      "-n", "2", "--attention-backend", "pallas"])
+    assert result.exit_code == 2, result.output
+    assert "does not support head dim 16 (supported: 64, 128)" in result.output
+    assert "--attention-backend xla" in result.output and "Traceback" not in result.output
+
+
 def test_method_is_whatever_the_drafter_is():
     from dspine_jax.api import resolve_method
     from dspine_jax.registry import resolve_drafter
@@ -219,6 +234,7 @@ def test_method_is_whatever_the_drafter_is():
     (["--drafter", "{weightless}"], "has no model.safetensors"),
     (["--temperature", "-1"], "temperature must be a finite number >= 0"),
     (["--dtype", "f16"], "dtype must be one of auto"),
+    (["--attention-backend", "flash"], "attention backend must be one of auto, pallas, xla"),
 ])
 def test_eval_checks_before_loading(loads_nothing, tmp_path, args, message):
     from typer.testing import CliRunner

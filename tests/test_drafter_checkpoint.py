@@ -30,7 +30,7 @@ def dflash_names(layers: int) -> list[str]:
 DFLASH_NAMES = dflash_names(2)
 DSPINE_NAMES = ["injection.message.weight", "injection.receiver_gate.weight",
                 "injection.predecessor_gate.weight", "injection.bias", "transfer_whiten",
-                "transfer_mean"] + [
+                "transfer_mean", "transfer_ready"] + [
     f"injection.{part}.{i}.weight" for part in ("readouts", "writes") for i in range(2)]
 
 

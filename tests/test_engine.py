@@ -83,7 +83,7 @@ class OracleEngine(SpeculativeEngine):
         tokens = jnp.take_along_axis(self.truth, jnp.minimum(idx, self.truth.shape[1] - 1), 1)
         corrupt = jnp.arange(k - 1)[None, :] == self.wrong[:, None]
         tokens = jnp.where(corrupt, (tokens + 1) % TARGET.vocab_size, tokens)
-        return Proposal(tokens=tokens, q=jax.nn.one_hot(tokens, TARGET.vocab_size))
+        return Proposal(tokens=tokens, q=jax.nn.one_hot(tokens, TARGET.vocab_size)), state
 
 
 @pytest.mark.parametrize("wrong", [[0, 2, 4, 9], [1, 3, 9, 0]])
@@ -141,8 +141,8 @@ def test_rollback_leaves_no_stale_target_entries():
     assert length == len(seq)
     fresh = target(jnp.asarray([seq]), KVCache_create(length + 8))
     for layer in range(TARGET.num_hidden_layers):
-        np.testing.assert_allclose(cache.keys[layer][0, :length], fresh.cache.keys[layer][0, :length],
-                                   rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(cache.dense(layer)[0][0, :length],
+                                   fresh.cache.dense(layer)[0][0, :length], rtol=1e-5, atol=1e-5)
     # The next pass (a wrong draft at slot 2 again) continues exactly the true sequence.
     done = int(state.num_generated[0])
     nxt = run.decode(state)  # donates `state`
@@ -150,9 +150,9 @@ def test_rollback_leaves_no_stale_target_entries():
 
 
 def KVCache_create(capacity):
-    from dspine_jax.kv_cache import KVCache
+    from dspine_jax.kv_cache import PagedKVCache
 
-    return KVCache.create(TARGET, 1, capacity)
+    return PagedKVCache.contiguous(TARGET, 1, capacity)
 
 
 # ----- sampling is exact ------------------------------------------------------------------

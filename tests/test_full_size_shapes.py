@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from dspine_jax.config import PRESETS
-from dspine_jax.kv_cache import KVCache
+from dspine_jax.kv_cache import PagedKVCache
 from dspine_jax.target import TargetModel
 
 # Parameter counts published on the model cards (embeddings included).
@@ -31,7 +31,7 @@ def test_eval_shape_builds_full_size_qwen3(name):
 
     # A decode step with a KV cache and feature layers, traced with no memory either.
     graphdef, state = nnx.split(abstract)
-    cache = jax.eval_shape(lambda: KVCache.create(config, 4, 1024, jnp.bfloat16))
+    cache = jax.eval_shape(lambda: PagedKVCache.contiguous(config, 4, 1024, jnp.bfloat16))
 
     def step(state, tokens, cache):
         return nnx.merge(graphdef, state)(tokens, cache, hidden_layer_ids=(1, 9, 17, 25, 33))
@@ -39,4 +39,5 @@ def test_eval_shape_builds_full_size_qwen3(name):
     out = jax.eval_shape(step, state, jax.ShapeDtypeStruct((4, 16), jnp.int32), cache)
     assert out.logits.shape == (4, 16, config.vocab_size)
     assert out.hidden_states.shape == (5, 4, 16, config.hidden_size)
-    assert out.cache.keys[0].shape == (4, 1024, config.num_key_value_heads, config.head_dim)
+    assert out.cache.k_pages[0].shape == (4 * 1024 // 16, 16, config.num_key_value_heads,
+                                           config.head_dim)

@@ -10,7 +10,7 @@ from flax import nnx
 
 from dspine_jax.config import TargetConfig
 from dspine_jax.generate import AutoregressiveGenerator
-from dspine_jax.kv_cache import KVCache
+from dspine_jax.kv_cache import PagedKVCache
 from dspine_jax.target import TargetModel
 
 CONFIG = TargetConfig(family="qwen3", vocab_size=97, hidden_size=64, intermediate_size=96,
@@ -59,7 +59,7 @@ def test_decode_with_cache_equals_full_recompute(model):
     tokens = rng.integers(0, 97, size=(2, 30))
     ref = full_logits(model, tokens)
     fwd = forward_cache(model)
-    cache = KVCache.create(CONFIG, 2, 64)
+    cache = PagedKVCache.contiguous(CONFIG, 2, 64)
     out = fwd(tokens[:, :10], cache)  # prefill 10
     got = [np.asarray(out.logits)]
     cache = out.cache
@@ -82,7 +82,7 @@ def test_ragged_rows_at_their_own_positions(model):
     for i, p in enumerate(prompts):
         padded[i, :len(p)] = p
     fwd = forward_cache(model)
-    out = fwd(padded, KVCache.create(CONFIG, 3, 32))
+    out = fwd(padded, PagedKVCache.contiguous(CONFIG, 3, 32))
     cache = out.cache.replace(lengths=jnp.asarray(lengths))
     step = rng.integers(0, 97, size=(3, 3))
     out2 = fwd(step, cache)
@@ -99,7 +99,7 @@ def test_rollback_leaves_no_stale_entries(model):
     rng = np.random.default_rng(2)
     prefix, rejected, accepted = (rng.integers(0, 97, size=(1, n)) for n in (7, 6, 4))
     fwd = forward_cache(model)
-    cache = fwd(prefix, KVCache.create(CONFIG, 1, 32)).cache
+    cache = fwd(prefix, PagedKVCache.contiguous(CONFIG, 1, 32)).cache
     after = fwd(rejected, cache).cache
     rolled = after.rollback(after.lengths - 4)
     assert rolled.lengths.tolist() == [9]

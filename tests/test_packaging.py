@@ -12,7 +12,7 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 SETUPTOOLS = PYPROJECT["tool"]["setuptools"]
 FOLDERS = {name: ROOT / SETUPTOOLS["package-dir"].get(name, name)
            for name in ("dspine_jax", "pallas_kernels", "dspine_train", "dspine_serve",
-                        "dspine_benchmarks")}
+                        "dspine_benchmarks", "dspine_torch")}
 
 
 def modules() -> dict[str, Path]:
@@ -91,6 +91,10 @@ def test_dependencies_point_one_way():
         deps = imports_of(name, path, set(found))
         if name.startswith("pallas_kernels"):
             assert not [d for d in deps if not d.startswith("pallas_kernels")], name
+        elif name.startswith("dspine_torch"):
+            # The PyTorch port stands alone: the JAX install must not need torch, and the
+            # port is checked against JAX only through golden files and the parity command.
+            assert not [d for d in deps if not d.startswith("dspine_torch")], name
         elif name.startswith("dspine_jax") and name != "dspine_jax.cli":
             # The library serves the front ends and never reaches back into them
             # (the `dspine` command, a front end, lives at dspine_jax.cli).

@@ -13,12 +13,15 @@ slots this call writes are all NaN before the call.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention import gpu as rpa_gpu
 
 # B batch rows, T query tokens, N query heads, K kv heads, G = N / K, H head dim.
 # (name, T, K, G, H, dtype, mask, page_size, kv_lens, q_lens)
@@ -41,7 +44,22 @@ CASES = [
     ("page_size_8", 16, 3, 1, 64, "bfloat16", "causal", 8, [1, 8, 9, 30], [1, 8, 9, 16]),
     ("page_size_32_bidirectional", 1, 2, 3, 64, "float32", "bidirectional", 32,
      [31, 32, 33], [1, 1, 1]),
+    # several key tiles and kv splits: unmasked tiles, the masked edge, empty splits
+    ("verify_long_g4_bf16", 16, 2, 4, 128, "bfloat16", "causal", PS,
+     [300, 170, 16, 80], [16, 7, 16, 16]),
+    ("draft_long_g3_bidirectional", 16, 1, 3, 64, "bfloat16", "bidirectional", PS,
+     [261, 129, 40], [16, 16, 9]),
 ]
+# Explicit GPU kernel configs over long rows: (case index, kernel keyword arguments)
+GPU_CONFIGS = [
+    (9, dict(block_n=16, num_splits=3)),             # one page per tile, uneven splits
+    (9, dict(block_n=128, num_splits=1, num_stages=2)),
+    (9, dict(block_n=32, num_splits=7, num_warps=8)),
+    (10, dict(block_n=32, num_splits=2, block_m=16)),  # several query tiles
+    (7, dict(block_n=16, num_splits=5)),             # page size 8: two pages per tile
+]
+LONG_PAGE_CASE = ("page_size_128_long", 16, 2, 2, 64, "bfloat16", "causal", 128,
+                  [400, 129, 16], [16, 16, 3])
 TOL = {"float32": 2e-5, "bfloat16": 2e-2}
 INTERPRETED = ["xla", "pallas_tpu", "pallas_gpu"]
 
@@ -118,14 +136,21 @@ def bits(x):
     return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
 
 
-def check_case(implementation, interpret, case_id, spec):
+def check_case(implementation, interpret, case_id, spec, kernel_kw=None):
+    """kernel_kw: call the GPU kernel directly with these config arguments."""
     name, t, kv_heads, group, h, dtype, mask, page_size, kv_lens, q_lens = spec
     case = make_case(case_id, t, kv_heads, group, h, dtype, page_size, kv_lens, q_lens)
     scale = 0.7 * h ** -0.5 if case_id % 2 else None           # both default and explicit
-    out, k_pages, v_pages = ragged_paged_attention(
-        *(jnp.asarray(case[k]) for k in ("q", "new_k", "new_v", "k_pages", "v_pages",
-                                          "page_table", "kv_lens", "q_lens")),
-        mask=mask, sm_scale=scale, implementation=implementation, interpret=interpret)
+    args = [jnp.asarray(case[k]) for k in ("q", "new_k", "new_v", "k_pages", "v_pages",
+                                           "page_table", "kv_lens", "q_lens")]
+    if kernel_kw is None:
+        out, k_pages, v_pages = ragged_paged_attention(
+            *args, mask=mask, sm_scale=scale, implementation=implementation,
+            interpret=interpret)
+    else:
+        call = functools.partial(rpa_gpu.ragged_paged_attention_gpu, mask=mask,
+                                 sm_scale=scale, interpret=interpret, **kernel_kw)
+        out, k_pages, v_pages = jax.jit(call)(*args)
     ref_out, ref_k, ref_v = numpy_reference(case, mask, scale or h ** -0.5)
 
     assert out.shape == case["q"].shape and out.dtype == jnp.dtype(dtype)
@@ -146,6 +171,20 @@ def test_matches_float64_reference(implementation, case_id):
     check_case(implementation, implementation != "xla", case_id, CASES[case_id])
 
 
+CONFIG_IDS = [f"{CASES[c][0]}-" + "-".join(f"{k}{v}" for k, v in kw.items())
+              for c, kw in GPU_CONFIGS]
+
+
+@pytest.mark.parametrize("config", range(len(GPU_CONFIGS)), ids=CONFIG_IDS)
+def test_gpu_kernel_configs_interpreted(config):
+    case_id, kw = GPU_CONFIGS[config]
+    check_case("pallas_gpu", True, case_id, CASES[case_id], kernel_kw=kw)
+
+
+def test_gpu_kernel_page_larger_than_key_tile_interpreted():
+    check_case("pallas_gpu", True, 1, LONG_PAGE_CASE, kernel_kw=dict(block_n=32))
+
+
 def _needs_cuda():
     if jax.default_backend() != "gpu":
         pytest.skip(f"needs a CUDA GPU; JAX backend here is {jax.default_backend()!r}")
@@ -156,6 +195,14 @@ def _needs_cuda():
 def test_gpu_kernel_compiled(case_id):
     _needs_cuda()
     check_case("pallas_gpu", False, case_id, CASES[case_id])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", range(len(GPU_CONFIGS)), ids=CONFIG_IDS)
+def test_gpu_kernel_configs_compiled(config):
+    _needs_cuda()
+    case_id, kw = GPU_CONFIGS[config]
+    check_case("pallas_gpu", False, case_id, CASES[case_id], kernel_kw=kw)
 
 
 @pytest.mark.gpu

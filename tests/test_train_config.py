@@ -74,11 +74,14 @@ def test_a_checkpoint_stores_the_architecture_not_the_recipe(tmp_path):
 
     drafter = make(TargetModel(TARGET, rngs=nnx.Rngs(0)), "dspine")
     save_drafter(drafter, tmp_path)
-    stored = json.loads((tmp_path / "config.json").read_text())["dspine_config"]
+    raw = json.loads((tmp_path / "config.json").read_text())
+    # The reference fields in dspine_config, the project's switches under their own key.
+    stored = {**raw["dspine_config"], **raw["dspine_jax_switches"]}
     assert set(stored) == {f.name for f in dataclasses.fields(DSpineConfig)}
     assert not set(stored) & TRAINING_ONLY_FIELDS
     # A checkpoint written before the split (training fields inside) still loads.
-    legacy = dict(json.loads((tmp_path / "config.json").read_text()))
+    legacy = dict(raw)
+    del legacy["dspine_jax_switches"]
     legacy["dspine_config"] = {**stored, "ce_weight": 0.1, "alignment": False,
                                "replacement_layers": 3}
     assert DrafterConfig.from_hf(legacy).dspine == DSpineConfig(**stored)

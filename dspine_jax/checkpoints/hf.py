@@ -84,7 +84,9 @@ def write_safetensors(tensors: dict[str, np.ndarray], path: Path) -> None:
     file, which comes out 0600: unreadable to the group that reads exported checkpoints."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp),
+    # (np.ascontiguousarray would turn a 0-d flag such as transfer_ready into shape (1,).)
+    save_file({k: np.asarray(v) if np.ndim(v) == 0 else np.ascontiguousarray(v)
+               for k, v in tensors.items()}, str(tmp),
               metadata={"format": "pt"})
     os.chmod(tmp, 0o666 & ~_umask())
     tmp.replace(path)

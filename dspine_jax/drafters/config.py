@@ -58,6 +58,12 @@ class DSpineConfig:
                                   f"got {getattr(self, name)!r}")
 
 
+# `dspine_config` holds the reference's fields; the project's ablation switches have
+# their own key, `dspine_jax_switches` (checkpoints written before that kept them in
+# `dspine_config`; both layouts load).
+REFERENCE_FIELDS = ("transfer_rank", "message_size", "top_k")
+SWITCHES = ("injection", "causal_block", "refinement_head")
+
 # Training-only fields that drafter checkpoints written before the split carried in
 # `dspine_config`; they are read past (the loss config holds them now).
 TRAINING_ONLY_FIELDS = frozenset({
@@ -192,8 +198,25 @@ class DrafterConfig:
                               "block_size": self.block_size},
         }
         if self.dspine is not None:
-            out["dspine_config"] = dataclasses.asdict(self.dspine)
+            spine = dataclasses.asdict(self.dspine)
+            out["dspine_config"] = {k: spine[k] for k in REFERENCE_FIELDS}
+            out["dspine_jax_switches"] = {k: spine[k] for k in SWITCHES}
         return out
+
+    def check_reference_layout(self) -> None:
+        """The reference DSpine has no ablation switches: it always injects, attends
+        causally inside the block and decodes with the predecessor-conditioned head. A
+        drafter with a switch off cannot be written in its layout: say which."""
+        if self.dspine is None:
+            return
+        off = [name for name in SWITCHES if not getattr(self.dspine, name)]
+        if off:
+            raise ConfigError(
+                f"this DSpine drafter has {', '.join(f'{n}=False' for n in off)}; the "
+                "reference DSpine layout cannot represent that switch (it always runs with "
+                f"{', '.join(f'{n}=True' for n in off)}). Use the checkpoint folder itself "
+                "(its config.json keeps the switch under dspine_jax_switches; dspine_torch "
+                "reads it).")
 
     @classmethod
     def from_hf(cls, raw: Mapping[str, Any]) -> "DrafterConfig":
@@ -206,12 +229,7 @@ class DrafterConfig:
             theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
             if rope.get("rope_type", "default") == "default":
                 rope = {}
-            spine = raw.get("dspine_config")
-            if spine is not None:
-                spine = {k: v for k, v in spine.items() if k not in TRAINING_ONLY_FIELDS}
-                unknown = set(spine) - {f.name for f in dataclasses.fields(DSpineConfig)}
-                if unknown:
-                    raise ConfigError(f"dspine_config has unknown field(s): {sorted(unknown)}")
+            spine = _read_dspine(raw)
             return cls(
                 hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
                 num_hidden_layers=raw["num_hidden_layers"],
@@ -229,3 +247,26 @@ class DrafterConfig:
                 dspine=None if spine is None else DSpineConfig(**spine))
         except KeyError as e:
             raise ConfigError(f"drafter config.json lacks field {e.args[0]!r}") from e
+
+
+def _read_dspine(raw: Mapping[str, Any]) -> dict | None:
+    """DSpineConfig's fields from config.json: `dspine_config` (reference fields; old
+    checkpoints also carry the switches there) and `dspine_jax_switches`."""
+    spine = raw.get("dspine_config")
+    switches = dict(raw.get("dspine_jax_switches") or {})
+    if spine is None:
+        if switches:
+            raise ConfigError("config.json has dspine_jax_switches but no dspine_config")
+        return None
+    spine = {k: v for k, v in spine.items() if k not in TRAINING_ONLY_FIELDS}
+    unknown = set(spine) - set(REFERENCE_FIELDS) - set(SWITCHES)
+    if unknown:
+        raise ConfigError(f"dspine_config has unknown field(s): {sorted(unknown)}")
+    bad = set(switches) - set(SWITCHES)
+    if bad:
+        raise ConfigError(f"dspine_jax_switches has unknown field(s): {sorted(bad)}")
+    for name in SWITCHES:
+        if name in spine and name in switches and bool(spine[name]) != bool(switches[name]):
+            raise ConfigError(f"dspine_config.{name}={spine[name]} disagrees with "
+                              f"dspine_jax_switches.{name}={switches[name]}")
+    return {**spine, **switches}

@@ -5,7 +5,10 @@ One layer stack serves both forwards:
     strictly before its anchor, itself (bidirectionally, or causally for DSpine), and no
     other block;
   * inference: one block per row against the drafter's context cache.
-Both build the same queries, keys and masks, so they give the same block logits.
+Both build the same queries and keys, so they give the same block logits. Training is a
+dense call with a block-diagonal mask; inference is a paged call whose block is written
+past the context's length (never kept: the length does not advance) and attended with
+the causal mask (DSpine) or bidirectionally (DFlash).
 
 The target's frozen tables (input embedding E_in, output embedding E_out) are arguments,
 never parameters: gradients cannot reach them and checkpoints hold only the drafter.
@@ -23,13 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from dspine_jax.attention import AttentionBackend, AttentionMetadata, XlaBackend
 from dspine_jax.drafters.blocks import predecessor_tokens
 from dspine_jax.drafters.config import DrafterConfig
 from dspine_jax.drafters.injection import Injection
 from dspine_jax.drafters.transfer import (TransferSpace, build_transfer_space, code_table,
                                           transfer_codes)
-from dspine_jax.kv_cache import KVCache, write_kv
-from dspine_jax.layers import Linear, RMSNorm, dot_product_attention
+from dspine_jax.kv_cache import PagedKVCache
+from dspine_jax.layers import Linear, RMSNorm
 from dspine_jax.target import DecoderLayer
 
 
@@ -46,6 +50,9 @@ class DraftOutput:
     pre_injection: jax.Array | None   # [B, n, K, D] last layer, before its injection (DSpine)
     features: jax.Array | None        # [L, B, n, K, r] phi_l after each injection (DSpine)
     gates: jax.Array | None           # [L] mean gate value per layer (DSpine)
+    # inference: the context cache with this block's keys/values written past its
+    # length (lengths unchanged); carry it on so the pools are updated in place
+    context: PagedKVCache | None = None
 
 
 class DrafterLayer(DecoderLayer):
@@ -55,15 +62,24 @@ class DrafterLayer(DecoderLayer):
         """KV injection: context features [B, S, D] bypass the norm, Q, O and MLP."""
         return self.self_attn.project_kv(fused, positions)
 
-    def draft(self, x, positions, ctx_k, ctx_v, mask):
-        """x [B, Q, D] block hiddens; ctx_k/v [B, S, K, H]; mask [B, Q, S + Q]."""
+    def draft(self, x, metadata: AttentionMetadata, attention: AttentionBackend, ctx):
+        """x [B, Q, D] block hiddens at metadata.positions.
+
+        Paged metadata: ctx = this layer's context (k_pages, v_pages); the block's k/v are
+        written past the context and attended with it. Dense: ctx = context (k, v)
+        [B, S, K, H], keys are [context ; block] under metadata.dense_mask [B, Q, S + Q].
+        -> (x, ctx after the write)."""
         h = self.input_layernorm(x)
-        q = self.self_attn.project_q(h, positions)
-        k, v = self.self_attn.project_kv(h, positions)
-        out = dot_product_attention(q, jnp.concatenate([ctx_k, k.astype(ctx_k.dtype)], 1),
-                                    jnp.concatenate([ctx_v, v.astype(ctx_v.dtype)], 1), mask)
+        q = self.self_attn.project_q(h, metadata.positions)
+        k, v = self.self_attn.project_kv(h, metadata.positions)
+        if metadata.is_paged:
+            out, ctx = attention(q, k, v, metadata, ctx)
+        else:
+            ctx_k, ctx_v = ctx
+            out, _ = attention(q, jnp.concatenate([ctx_k, k.astype(ctx_k.dtype)], 1),
+                               jnp.concatenate([ctx_v, v.astype(ctx_v.dtype)], 1), metadata)
         x = x + self.self_attn.o_proj(out.reshape(*x.shape[:2], -1))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x)), ctx
 
 
 class BlockDrafter(nnx.Module):
@@ -133,8 +149,13 @@ class BlockDrafter(nnx.Module):
             anchor_tokens.shape + (k - 1,), self.config.mask_token_id, anchor_tokens.dtype)], -1)
         return jnp.take(input_embedding, tokens, axis=0).astype(self.dtype)
 
+    @property
+    def block_mask(self) -> str:
+        """The mask of a block after its context: DSpine causal, DFlash bidirectional."""
+        return "causal_block" if self.config.causal_block else "bidirectional_block"
+
     def _mask(self, ctx_visible: jax.Array) -> jax.Array:
-        """ctx_visible [B, n, S] -> attention mask [B, n*K, S + n*K]."""
+        """ctx_visible [B, n, S] -> training's block-diagonal mask [B, n*K, S + n*K]."""
         b, n, s = ctx_visible.shape
         k = self.config.block_size
         block = jnp.arange(n * k) // k
@@ -145,20 +166,20 @@ class BlockDrafter(nnx.Module):
         ctx = jnp.repeat(ctx_visible, k, axis=1)
         return jnp.concatenate([ctx, jnp.broadcast_to(inside, (b, n * k, n * k))], -1)
 
-    def _run(self, x, positions, ctx_kv, ctx_visible, anchor_tokens, output_embedding,
-             teacher_tokens=None, replace=None, replace_layers=0) -> DraftOutput:
-        """The layer stack. x [B, n, K, D]; positions [B, n, K]; ctx_kv: per layer (k, v).
+    def _run(self, x, metadata, attention, ctx, anchor_tokens, output_embedding,
+             teacher_tokens=None, replace=None, replace_layers=0):
+        """The layer stack. x [B, n, K, D]; metadata for the n*K block queries; ctx: per
+        layer the context (pages, or dense (k, v)).
 
         teacher_tokens [B, n, K]: the true predecessor of each slot (training only);
         replace [B, n] bool: blocks whose first `replace_layers` layers take those instead
-        of predictions."""
+        of predictions. -> (DraftOutput, per layer ctx after the call)."""
         b, n, k, d = x.shape
-        mask = self._mask(ctx_visible)
-        flat_positions = positions.reshape(b, n * k)
         h = x
-        pre_injection, features, gates = None, [], []
+        pre_injection, features, gates, new_ctx = None, [], [], []
         for i, layer in enumerate(self.layers):
-            h = layer.draft(h.reshape(b, n * k, d), flat_positions, *ctx_kv[i], mask)
+            h, layer_ctx = layer.draft(h.reshape(b, n * k, d), metadata, attention, ctx[i])
+            new_ctx.append(layer_ctx)
             h = h.reshape(b, n, k, d)
             if self.config.dspine is not None:
                 pre_injection = h
@@ -174,7 +195,7 @@ class BlockDrafter(nnx.Module):
         return DraftOutput(
             logits=logits, hidden=final, pre_injection=pre_injection,
             features=jnp.stack(features) if features else None,
-            gates=jnp.stack(gates) if gates else None)
+            gates=jnp.stack(gates) if gates else None), new_ctx
 
     def _inject(self, layer, h, anchor_tokens, output_embedding, teacher_tokens, replace):
         """Gated adjacent injection after `layer` for slots 1..K-1 of every block."""
@@ -191,7 +212,8 @@ class BlockDrafter(nnx.Module):
 
     # ----- training ---------------------------------------------------------------------------
     def forward_train(self, tokens, features, anchors, input_embedding, output_embedding,
-                      *, replace=None, replace_layers=0) -> DraftOutput:
+                      *, replace=None, replace_layers=0,
+                      attention: AttentionBackend | None = None) -> DraftOutput:
         """All blocks of each sequence in one pass.
 
         tokens [B, T]; features [B, T, F] target features at every position; anchors
@@ -205,41 +227,58 @@ class BlockDrafter(nnx.Module):
         anchor_tokens = jnp.take_along_axis(tokens, anchors, axis=1)
         positions = anchors[..., None] + jnp.arange(k)
         ctx_visible = jnp.arange(t)[None, None, :] < anchors[..., None]
-        return self._run(self._block_inputs(anchor_tokens, input_embedding), positions,
-                         ctx_kv, ctx_visible, anchor_tokens, output_embedding,
-                         teacher_tokens=predecessor_tokens(tokens, anchors, k),
-                         replace=replace, replace_layers=replace_layers)
+        n = anchors.shape[1]
+        metadata = AttentionMetadata.dense(positions.reshape(b, n * k),
+                                           self._mask(ctx_visible), "block_diagonal")
+        out, _ = self._run(self._block_inputs(anchor_tokens, input_embedding), metadata,
+                           attention or XlaBackend(), ctx_kv, anchor_tokens,
+                           output_embedding,
+                           teacher_tokens=predecessor_tokens(tokens, anchors, k),
+                           replace=replace, replace_layers=replace_layers)
+        return out
 
     # ----- inference --------------------------------------------------------------------------
-    def create_context(self, batch_size: int, capacity: int) -> KVCache:
-        """The drafter's context cache: per draft layer, K/V of fused target features."""
-        return KVCache.create(self.config.layer_config(), batch_size, capacity, self.dtype)
+    def create_context(self, batch_size: int, capacity: int) -> PagedKVCache:
+        """A context cache of its own (row b owns pages b * PPS ..): tests, one-off use.
+        The engine builds the context over the target's page table instead."""
+        return PagedKVCache.contiguous(self.config.layer_config(), batch_size, capacity,
+                                       self.dtype)
 
-    def extend_context(self, context: KVCache, features: jax.Array,
-                       num_new: jax.Array) -> KVCache:
+    def extend_context(self, context: PagedKVCache, features: jax.Array,
+                       num_new: jax.Array,
+                       attention: AttentionBackend | None = None) -> PagedKVCache:
         """Append target features [B, T, F] at each row's end; only the first num_new [B]
-        count (the rest is overwritten later and never visible)."""
+        are written and counted."""
+        attention = attention or XlaBackend()
         fused = self.fuse(features)
-        positions = context.lengths[:, None] + jnp.arange(features.shape[1])[None, :]
-        keys, values = [], []
+        metadata = AttentionMetadata.paged(context.lengths, context.page_table,
+                                           features.shape[1], q_lens=num_new)
+        k_pages, v_pages = [], []
         for i, layer in enumerate(self.layers):
-            k, v = layer.context_kv(fused, positions)
-            keys.append(write_kv(context.keys[i], k, positions))
-            values.append(write_kv(context.values[i], v, positions))
-        return KVCache(keys=tuple(keys), values=tuple(values), lengths=context.lengths + num_new)
+            k, v = layer.context_kv(fused, metadata.positions)
+            kp, vp = attention.write(k, v, metadata, (context.k_pages[i], context.v_pages[i]))
+            k_pages.append(kp)
+            v_pages.append(vp)
+        return context.replace(k_pages=tuple(k_pages), v_pages=tuple(v_pages),
+                               lengths=metadata.kv_lens)
 
-    def draft_block(self, anchor_tokens: jax.Array, context: KVCache, input_embedding,
-                    output_embedding) -> DraftOutput:
+    def draft_block(self, anchor_tokens: jax.Array, context: PagedKVCache, input_embedding,
+                    output_embedding,
+                    attention: AttentionBackend | None = None) -> DraftOutput:
         """One block per row: the anchor [B] sits at position context.lengths (the context
-        holds features for every earlier position). Returns [B, 1, K, ...] outputs."""
+        holds features for every earlier position). The block's K keys are written at
+        lengths .. lengths + K - 1 (the pages must reach that far) and not kept: the
+        returned `context` has the same lengths. Returns [B, 1, K, ...] outputs."""
         k = self.config.block_size
-        anchors = context.lengths[:, None]                            # [B, 1]
-        positions = anchors[..., None] + jnp.arange(k)                # [B, 1, K]
-        ctx_visible = jnp.arange(context.capacity)[None, None, :] < anchors[..., None]
-        ctx_kv = list(zip(context.keys, context.values))
-        return self._run(self._block_inputs(anchor_tokens[:, None], input_embedding),
-                         positions, ctx_kv, ctx_visible, anchor_tokens[:, None],
-                         output_embedding)
+        metadata = AttentionMetadata.paged(context.lengths, context.page_table, k,
+                                           mask=self.block_mask)
+        ctx = list(zip(context.k_pages, context.v_pages))
+        out, ctx = self._run(self._block_inputs(anchor_tokens[:, None], input_embedding),
+                             metadata, attention or XlaBackend(), ctx,
+                             anchor_tokens[:, None], output_embedding)
+        written = context.replace(k_pages=tuple(p[0] for p in ctx),
+                                  v_pages=tuple(p[1] for p in ctx))
+        return out.replace(context=written)
 
     def proposer(self, impl: str = "sparse", kernel_implementation: str = "xla"):
         """What turns this drafter's pass into draft tokens and their q

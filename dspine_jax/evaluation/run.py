@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from dspine_jax.api import Pipeline, Prompt, resolve_method
+from dspine_jax.api import Pipeline, Prompt, check_attention_backend, resolve_method
 from dspine_jax.checkpoints import load_target, resolve_dtype
 from dspine_jax.decoding import mean_accept_length, padded_batch
 from dspine_jax.errors import InputError
@@ -73,7 +73,7 @@ def drafter_labels(methods: list[str], paths: list[str]) -> list[str]:
 def evaluate(target: str, drafters: list[str], benchmarks: list[str], out: Path, *,
              temperature: float = 0.0, max_new_tokens: int = 256, limit: int | None = None,
              batch_size: int = 8, seed: int = 0, dtype: str = "auto",
-             max_prompt_tokens: int | None = None) -> dict:
+             max_prompt_tokens: int | None = None, attention_backend: str = "auto") -> dict:
     # Every check before the target loads (seconds to minutes): the output folder, the
     # drafters (each decodes with its own kind), the dtype and the benchmark prompts.
     out = Path(out)
@@ -81,11 +81,13 @@ def evaluate(target: str, drafters: list[str], benchmarks: list[str], out: Path,
     choices = [resolve_method(target, d, None) for d in drafters]
     drafters = [str(c.drafter) for c in choices]
     resolve_dtype(dtype)
+    check_attention_backend(attention_backend)
     suites = {name: load_benchmark(name)[:limit] for name in benchmarks}
     loaded = load_target(target, dtype=dtype)
     out.mkdir(parents=True, exist_ok=True)
-    pipes = {"ar": Pipeline.from_loaded(loaded)}
-    drafter_pipes = [Pipeline.from_choice(loaded, choice) for choice in choices]
+    pipes = {"ar": Pipeline.from_loaded(loaded, attention_backend=attention_backend)}
+    drafter_pipes = [Pipeline.from_choice(loaded, choice, attention_backend=attention_backend)
+                     for choice in choices]
     for label, pipe in zip(drafter_labels([p.method for p in drafter_pipes], drafters),
                            drafter_pipes):
         pipes[label] = pipe
@@ -108,6 +110,7 @@ def evaluate(target: str, drafters: list[str], benchmarks: list[str], out: Path,
     report = {"target": target, "drafters": drafters, "temperature": temperature,
               "max_new_tokens": max_new_tokens, "limit": limit, "batch_size": batch_size,
               "max_prompt_tokens": room,
+              "attention_backend": pipes["ar"].decoder.attention.name,
               "benchmarks": table, "mean": mean}
     (out / "results.json").write_text(json.dumps(report, indent=2))
     (out / "results.md").write_text(markdown(report))

@@ -4,16 +4,25 @@ B batch rows, T query tokens, N query heads, K kv heads, G = N // K, H head dim,
 size, M = T * G packed query rows, BM/BN query/key tile, S kv splits.
 
 Layout of the work. The G query heads x T tokens that share one kv head are packed into
-the M dim of the matmuls (row m = t * G + g), so each key tile is loaded once for all of
-them. The grid is (B, K * ceil(M / BM), S): flash-decoding splits each row's key range
-over S programs (S picked so that B * K * M-tiles * S fills the chip's multiprocessors
-about twice over; at batch 1 Qwen3-8B decode that is 8 x 33 programs), each program runs
-an online softmax over its key tiles and writes an unnormalised partial (acc, max, sum);
-a small XLA combine merges the S partials. A key tile of BN keys is gathered through the
-page table key by key (page_table[b, pos // PS] * PS + pos % PS), so BN does not depend
-on the page size and no page past the row's kv_len is touched: positions past kv_len are
-clamped to the row's last key (masked out of the softmax), and the loop ends at the last
-tile the program's queries can see (causal: the tile holding key ctx + t_max).
+the M dim of the matmuls (row m = t * G + g, gathered straight from q), so each key tile
+is loaded once for all of them; at M >= 64 (verify/draft) the matmuls are Hopper wgmma.
+The grid is (B, K * ceil(M / BM), S): flash-decoding splits each row's key range over S
+programs (default_config: at least two programs per multiprocessor, up to four for wide
+query tiles), each program runs an online softmax over its key tiles and writes an
+unnormalised partial (acc, max, sum); a small XLA combine merges the S partials.
+
+Keys. A tile of BN keys is gathered through the page table: BN / PS page ids per tile
+(scalar loads), then each key's H values, which are contiguous in the pool (the keys of
+one kv head are K * H apart, so a page is no contiguous [PS, H] block). The page ids are
+read as 16-bit halves: Triton's software pipeliner turns a load of >= 32 bits in the loop into
+an async copy, and an async copy of page ids, which the next K/V addresses need, makes
+every tile wait for all copies in flight (cp.async.wait_group 0: no overlap of loads with
+the matmuls); with 16-bit loads num_stages - 1 K/V tiles stay in flight
+(cp.async.wait_group 2 at 3 stages). Tiles whose keys every query row of the program
+sees run unmasked; only the last tiles (kv_len, causal diagonal) are masked. Positions
+past kv_len read the row's last key (masked out), and the loop ends at the last tile the
+program's queries can see (causal: the tile holding key ctx + t_max), so no page past the
+row's kv_len is touched.
 
 The new tokens are written first by an XLA scatter into the (donated) pools, then the
 kernel reads the pools: the write moves T tokens, the read kv_len, so a fused write
@@ -41,7 +50,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .common import MASK_VALUE, default_scale, pack_queries, unpack_outputs, write_new_tokens
+from .common import MASK_VALUE, default_scale, unpack_outputs, write_new_tokens
 
 LOG2E = math.log2(math.e)
 DEFAULT_SM_COUNT = 132          # H100/H200 SXM
@@ -60,69 +69,137 @@ def _kernel(page_table_ref, kv_lens_ref, q_lens_ref, q_ref, k_ref, v_ref,   # in
     mt = pl.program_id(1) % m_tiles
     split = pl.program_id(2)
     num_splits = pl.num_programs(2)
-    pages_per_seq = page_table_ref.shape[1]
+    pages_per_seq = page_table_ref.shape[1] // 2
+    n_heads = kv_heads * group
 
     kv_len = kv_lens_ref[b]
     ctx = kv_len - q_lens_ref[b]
-    # [BM] absolute position of each packed query row (row m is token m // G)
-    q_pos = ctx + (mt * block_m + jnp.arange(block_m, dtype=jnp.int32)) // group
+    # [BM] packed query rows m = t * G + g of this tile; rows past T * G (tile padding)
+    # read token T - 1 and are dropped by the combine
+    m_idx = mt * block_m + jnp.arange(block_m, dtype=jnp.int32)
+    tok = jnp.minimum(m_idx // group, t_len - 1)
+    q_pos = ctx + m_idx // group                                       # [BM]
+    # q is [B * T * N, H]: row (b * T + t) * N + kh * G + g, gathered here (no packed copy)
+    q = q_ref[(b * t_len + tok) * n_heads + kh * group + m_idx % group, :]   # [BM, H]
+
+    # Keys [0, full_hi) are seen by every query row of the tile: no mask there. The tiles
+    # from full_hi // BN to the last one any row sees are masked (kv_len, causal).
     if causal:
+        first_t = (mt * block_m) // group
         last_t = jnp.minimum((mt * block_m + block_m - 1) // group, t_len - 1)
+        full_hi = jnp.minimum(kv_len, ctx + first_t + 1)
         hi = jnp.minimum(kv_len, ctx + last_t + 1)
     else:
+        full_hi = kv_len
         hi = kv_len
     n_tiles = pl.cdiv(hi, block_n)
     per_split = pl.cdiv(n_tiles, num_splits)
-    lo_tile = split * per_split
+    lo_tile = jnp.minimum(split * per_split, n_tiles)
     hi_tile = jnp.minimum(n_tiles, lo_tile + per_split)
+    mid_tile = jnp.clip(full_hi // block_n, lo_tile, hi_tile)
     last_key = jnp.maximum(kv_len - 1, 0)
 
-    q = q_ref[...]                                                     # [BM, H]
+    last_entry = jnp.minimum(last_key // page_size, pages_per_seq - 1)
 
-    def body(tile, carry):
+    def page_id(entry):
+        # page_table_ref is the int32 table seen as int16 pairs [B, 2 * PPS] (low half
+        # first): 16-bit scalar loads stay plain loads, where a 32-bit one would become
+        # an async copy that the loop waits for, with the K/V copies, before every tile
+        lo = page_table_ref[b, 2 * entry].astype(jnp.int32) & 0xFFFF
+        hi = page_table_ref[b, 2 * entry + 1].astype(jnp.int32)
+        return lo | (hi << 16)
+
+    def load_kv(tile, pos):
+        # One [BN, H] tile of keys/values through the page table: each key's H values
+        # are contiguous in the pool (consecutive keys of one kv head are K * H apart),
+        # BN / PS page ids per tile.
+        first = tile * (block_n // page_size) if block_n >= page_size else (
+            tile * block_n) // page_size
+        page = page_id(jnp.minimum(first, last_entry))
+        for j in range(1, max(1, block_n // page_size)):
+            page_j = page_id(jnp.minimum(first + j, last_entry))
+            page = jnp.where(pos >= (first + j) * page_size, page_j, page)
+        row = (page * page_size + pos % page_size) * kv_heads + kh
+        return k_ref[row, :], v_ref[row, :]
+
+    def update(carry, s, v, visible):
+        # s: [BM, BN] raw scores; scores in log2 units are s * scale_log2
         acc, m_i, l_i = carry
-        pos = tile * block_n + jnp.arange(block_n, dtype=jnp.int32)    # [BN]
-        pos_c = jnp.minimum(pos, last_key)
-        entry = jnp.minimum(pos_c // page_size, pages_per_seq - 1)
-        page = page_table_ref[b, entry]
-        row = (page * page_size + pos_c % page_size) * kv_heads + kh
-        k = k_ref[row, :]                                              # [BN, H]
-        v = v_ref[row, :]
-        # [BM, BN] scores in log2 units
-        s = pltriton.dot(q, k, trans_b=True, precision=precision) * scale_log2
-        visible = pos[None, :] < kv_len
-        if causal:
-            visible = visible & (pos[None, :] <= q_pos[:, None])
-        s = jnp.where(visible, s, MASK_VALUE)
-        m_new = jnp.maximum(m_i, s.max(axis=1))
+        if visible is None and scale_log2 > 0:
+            m_new = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
+            p = jnp.exp2(s * scale_log2 - m_new[:, None])
+        else:
+            s = s * scale_log2
+            if visible is not None:
+                s = jnp.where(visible, s, MASK_VALUE)
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            p = jnp.exp2(s - m_new[:, None])
+            if visible is not None:      # a fully masked row has m_new = MASK_VALUE
+                p = jnp.where(visible, p, 0.0)
         alpha = jnp.exp2(m_i - m_new)
-        p = jnp.where(visible, jnp.exp2(s - m_new[:, None]), 0.0)
         l_new = l_i * alpha + p.sum(axis=1)
         acc = acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v, precision=precision)
         return acc, m_new, l_new
 
+    def full_tile(tile, carry):
+        pos = tile * block_n + jnp.arange(block_n, dtype=jnp.int32)    # [BN], all < full_hi
+        k, v = load_kv(tile, pos)
+        s = pltriton.dot(q, k, trans_b=True, precision=precision)     # [BM, BN]
+        return update(carry, s, v, None)
+
+    def edge_tile(tile, carry):
+        pos = tile * block_n + jnp.arange(block_n, dtype=jnp.int32)
+        # positions past kv_len read the row's last key (masked out below)
+        k, v = load_kv(tile, jnp.minimum(pos, last_key))
+        s = pltriton.dot(q, k, trans_b=True, precision=precision)
+        visible = pos[None, :] < kv_len
+        if causal:
+            visible = visible & (pos[None, :] <= q_pos[:, None])
+        return update(carry, s, v, visible)
+
     head_dim = q.shape[-1]
-    init = (jnp.zeros((block_m, head_dim), jnp.float32),
-            jnp.full((block_m,), MASK_VALUE, jnp.float32),
-            jnp.zeros((block_m,), jnp.float32))
-    acc, m_i, l_i = lax.fori_loop(lo_tile, hi_tile, body, init)
+    carry = (jnp.zeros((block_m, head_dim), jnp.float32),
+             jnp.full((block_m,), MASK_VALUE, jnp.float32),
+             jnp.zeros((block_m,), jnp.float32))
+    carry = lax.fori_loop(lo_tile, mid_tile, full_tile, carry)
+    acc, m_i, l_i = lax.fori_loop(mid_tile, hi_tile, edge_tile, carry)
     o_ref[...] = acc
     m_ref[...] = m_i
     l_ref[...] = l_i
 
 
 def default_config(b, t, n, h, kv_heads, page_size, pages_per_seq, dtype):
-    """(block_m, block_n, num_splits, num_warps, num_stages) for one call's static shape."""
+    """(block_m, block_n, num_splits, num_warps, num_stages) for one call's static shape.
+
+    Tuned on one H200 at 32k keys (benchmarks/attention_kernels.py --sweep).
+    """
     m = t * (n // kv_heads)
     block_m = min(64, max(16, _next_pow2(m)))
     itemsize = jnp.dtype(dtype).itemsize
-    block_n = 64 if h * itemsize >= 256 else 128
+    # a K + V tile of 32 KiB (bf16 H=128: 64 keys), so that 3 pipeline stages, the q tile
+    # and two programs fit one multiprocessor's shared memory
+    block_n = min(128, 16384 // (h * itemsize))
     m_tiles = -(-m // block_m)
     programs = b * kv_heads * m_tiles
     sm_count = getattr(jax.devices()[0], "core_count", None) or DEFAULT_SM_COUNT
     max_tiles = -(-(pages_per_seq * page_size) // block_n)
-    num_splits = max(1, min(-(-2 * sm_count // programs), -(-max_tiles // 2)))
-    return block_m, block_n, num_splits, 4, 2
+    # at least two programs per multiprocessor
+    num_splits = -(-2 * sm_count // programs)
+    if block_m >= 64:
+        # wide query tiles (verify/draft): up to four per multiprocessor while each
+        # program keeps >= 16 key tiles (Qwen3-8B verify, batch 8: 79% of copy bandwidth
+        # with 9-10 splits against 67% with 5)
+        num_splits = max(num_splits, min(-(-4 * sm_count // programs), -(-max_tiles // 16)))
+    num_splits = max(1, min(num_splits, -(-max_tiles // 2)))
+    if block_m >= 64:
+        num_stages = 3
+    else:
+        # decode: short programs (<= 2048 keys) want a deep pipeline (Qwen3-8B batch 1:
+        # 69 us at 4 stages, 71 at 3), long ones more resident programs, which 2 stages
+        # allow (batch 8: 296 us at 2 stages, 311 at 3)
+        keys_per_program = -(-max_tiles // num_splits) * block_n
+        num_stages = 4 if keys_per_program <= 2048 else 2
+    return block_m, block_n, num_splits, 4, num_stages
 
 
 def ragged_paged_attention_gpu(q, new_k, new_v, k_pages, v_pages, page_table, kv_lens,
@@ -145,9 +222,10 @@ def ragged_paged_attention_gpu(q, new_k, new_v, k_pages, v_pages, page_table, kv
 
     k_pages, v_pages = write_new_tokens(new_k, new_v, k_pages, v_pages, page_table,
                                         kv_lens, q_lens)
-    # [B, K, M_pad, H]
-    qp = pack_queries(q, kv_heads)
-    qp = jnp.pad(qp, ((0, 0), (0, 0), (0, m_pad - m), (0, 0)))
+    # [B, 2 * PPS] int16: each page id as (low, high) halves
+    pt16 = lax.bitcast_convert_type(page_table, jnp.int16).reshape(b, 2 * pages_per_seq)
+    # [B * T * N, H] (a free reshape): the kernel gathers its packed rows
+    q_flat = q.reshape(b * t * n, h)
     # [P * PS * K, H]: row (page * PS + slot) * K + kv_head (a free reshape)
     k_flat = k_pages.reshape(num_pages * page_size * kv_heads, h)
     v_flat = v_pages.reshape(num_pages * page_size * kv_heads, h)
@@ -163,8 +241,7 @@ def ragged_paged_attention_gpu(q, new_k, new_v, k_pages, v_pages, page_table, kv
         grid=(b, kv_heads * m_tiles, num_splits),
         in_specs=[
             whole, whole, whole,
-            pl.BlockSpec((None, None, block_m, h), lambda i, j, s: (i, j // m_tiles, j % m_tiles, 0)),
-            whole, whole,
+            whole, whole, whole,
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, block_m, h),
@@ -182,7 +259,7 @@ def ragged_paged_attention_gpu(q, new_k, new_v, k_pages, v_pages, page_table, kv
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(page_table, kv_lens, q_lens, qp, k_flat, v_flat)
+    )(pt16, kv_lens, q_lens, q_flat, k_flat, v_flat)
 
     # Combine the S partials (log2 units): [B, K, S, M, H] -> [B, K, M, H]
     o, m_max, l_sum = o[:, :, :, :m], m_max[:, :, :, :m], l_sum[:, :, :, :m]
