@@ -27,7 +27,6 @@ from dspine_jax.drafters.checkpoint import load_drafter
 from dspine_jax.drafters.model import DraftOutput
 from dspine_jax.registry import resolve_drafter
 from dspine_jax.sampling import SamplingParams
-from dspine_jax.speculative.propose import propose_chain
 
 
 def accepted(pred: np.ndarray, labels: np.ndarray) -> np.ndarray:
@@ -48,8 +47,8 @@ def chain_tokens(drafter, out: DraftOutput, anchor_tokens: np.ndarray, e_out) ->
                          pre_injection=out.pre_injection[0][:, None], features=None,
                          gates=None)
     greedy = SamplingParams.create(len(anchor_tokens), 0.0, 1.0, 0)
-    return np.asarray(propose_chain(drafter, blocks, jnp.asarray(anchor_tokens), e_out,
-                                    greedy, jax.random.key(0)).tokens)
+    return np.asarray(drafter.proposer().propose(blocks, jnp.asarray(anchor_tokens), e_out,
+                                                 greedy, jax.random.key(0)).tokens)
 
 
 def teacher_forced(model, drafter, tokens: np.ndarray, anchors: np.ndarray):

@@ -3,12 +3,17 @@
   python benchmarks/spec_step.py --target preset:qwen3-8b --batch 1 8 32 --out spec.jsonl
   python benchmarks/spec_step.py --target preset:qwen3-8b --batch 1 8 32 \\
       --context 1024 16384 --attention-backend pallas xla
+  python benchmarks/spec_step.py --proposal dense sparse --temperature 0 0.8 --top-p 0.9
 
 For each method and batch size it times, on a state after prefill:
   step     the compiled decode loop, `--steps-per-call` target passes per host round
            trip with a host sync after each call (what generate() does), per pass;
   draft    the drafter pass + proposal (DSpine: top-k, transition table, chain walk);
   verify   the target pass over the block + the verification rule;
+           `--proposal dense` builds q [B, K-1, V] and a warped p [B, K, V] (a sort of the
+           vocabulary at T > 0); `sparse` (the engine's default) keeps q where it is
+           nonzero and builds p and q for one row (DSpine's candidates from the
+           `--proposal-kernel` implementation of vocab_top_k);
   accept   step - draft - verify: cache bookkeeping, context extension, emission.
 Drafters are freshly initialised (5 layers at the target's width, block 16): step times do
 not depend on their weights, acceptance does, so the implied speedup is reported at
@@ -54,11 +59,20 @@ def parse_args():
     p.add_argument("--dtype", default="auto")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-stages", action="store_true", help="skip the per-stage split")
+    p.add_argument("--proposal", nargs="+", default=["sparse"], choices=["dense", "sparse"],
+                   help="proposal/verification path(s) of the speculative engine")
+    p.add_argument("--proposal-kernel", default="xla",
+                   choices=["xla", "auto", "pallas_gpu", "pallas_tpu"],
+                   help="vocab_top_k implementation of DSpine's sparse proposal")
+    p.add_argument("--temperature", type=float, nargs="+", default=[0.0],
+                   help="sampling temperature(s); 0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="top-p when temperature > 0")
+    p.add_argument("--top-k", type=int, default=0, help="top-k when temperature > 0")
     p.add_argument("--out", default=None)
     return p.parse_args()
 
 
-def make_decoder(method, model, config, args, backend, num_pages):
+def make_decoder(method, model, config, args, backend, num_pages, proposal="sparse"):
     from dspine_jax.drafters.config import DrafterConfig
     from dspine_jax.drafters.model import BlockDrafter
     from dspine_jax.engine import SpeculativeEngine
@@ -73,10 +87,17 @@ def make_decoder(method, model, config, args, backend, num_pages):
     drafter = BlockDrafter.create(dconfig, model.output_embedding(), dtype=model.dtype)
     drafter_params = sum(x.size for x in jax.tree.leaves(
         __import__("flax").nnx.state(drafter)))
-    return SpeculativeEngine(model, drafter, **options), drafter_params
+    return SpeculativeEngine(model, drafter, proposal_impl=proposal,
+                             proposal_kernel=args.proposal_kernel, **options), drafter_params
 
 
-def stage_times(decoder, run, b, context, args, iterations: int = 16) -> dict:
+def sampling_options(args, temperature) -> dict:
+    if temperature == 0:
+        return {"temperature": 0.0}
+    return {"temperature": temperature, "top_p": args.top_p, "top_k": args.top_k}
+
+
+def stage_times(decoder, run, b, context, args, temperature=0.0, iterations: int = 16) -> dict:
     """Draft and verify alone, each repeated inside one compiled loop (so dispatch is
     amortised as in the decode loop), each iteration fed by the previous one's output
     so nothing can be hoisted out of the loop. The state (its caches) is carried through
@@ -85,7 +106,7 @@ def stage_times(decoder, run, b, context, args, iterations: int = 16) -> dict:
     from dspine_jax.sampling import SamplingParams
 
     params = decoder.params()
-    sampling = SamplingParams.create(b, 0.0)
+    sampling = SamplingParams.create(b, **sampling_options(args, temperature))
     key = jax.random.key(0)
 
     @functools.partial(jax.jit, donate_argnames=("state",))
@@ -120,16 +141,19 @@ def stage_times(decoder, run, b, context, args, iterations: int = 16) -> dict:
     return {k: median_time(fn, args.repeats) / iterations * 1e3 for k, fn in times.items()}
 
 
-def bench(method, b, context, backend, model, config, dtype, bandwidth, args):
+def bench(method, b, context, backend, model, config, dtype, bandwidth, args,
+          proposal="sparse", temperature=0.0):
     # Untrained drafters keep ~1 token per pass: 4 per pass of budget is ample, and keeps
     # the cache capacity (which dense attention reads in full) the same as AR's.
     new_tokens = context - args.prompt_len + 4 * (args.calls + 2) * args.steps_per_call
     num_pages = pool_pages(b, args.prompt_len + new_tokens + args.block_size, args.page_size)
-    decoder, drafter_params = make_decoder(method, model, config, args, backend, num_pages)
+    decoder, drafter_params = make_decoder(method, model, config, args, backend, num_pages,
+                                           proposal)
     passes = args.calls * args.steps_per_call
     prompts = np.random.default_rng(0).integers(0, config.vocab_size,
                                                 size=(b, args.prompt_len)).tolist()
-    run = decoder.prepare(prompts, max_new_tokens=new_tokens, ignore_eos=True)
+    run = decoder.prepare(prompts, max_new_tokens=new_tokens, ignore_eos=True,
+                          **sampling_options(args, temperature))
 
     def loop():
         state = run.decode(with_context(run.prefill(), context))
@@ -146,10 +170,13 @@ def bench(method, b, context, backend, model, config, dtype, bandwidth, args):
     floor_bytes = step_bytes(config, b, context + passes, itemsize) + drafter_params * itemsize
     row = dict(method=method, attention_backend=decoder.attention.name, context=context,
                batch=b, steps_per_call=args.steps_per_call, step_ms=step * 1e3,
-               floor_ms=floor_bytes / bandwidth * 1e3)
+               floor_ms=floor_bytes / bandwidth * 1e3,
+               proposal=proposal if method != "ar" else "-", temperature=temperature,
+               top_p=args.top_p if temperature else 1.0, top_k=args.top_k if temperature else 0,
+               proposal_kernel=args.proposal_kernel)
 
     if method != "ar" and not args.no_stages:
-        row.update(stage_times(decoder, run, b, context, args))
+        row.update(stage_times(decoder, run, b, context, args, temperature))
         row["accept_ms"] = row["step_ms"] - row["draft_ms"] - row["verify_ms"]
     return row
 
@@ -161,10 +188,13 @@ def main():
     model, config, dtype = load_jax_target(args.target, args.dtype, positions)
     bandwidth = jax_copy_bandwidth()
     rows = []
-    for backend, context, b in itertools.product(args.attention_backend, contexts, args.batch):
+    for backend, context, b, temperature in itertools.product(
+            args.attention_backend, contexts, args.batch, args.temperature):
         ar_ms = None
-        for method in args.methods:
-            row = bench(method, b, context, backend, model, config, dtype, bandwidth, args)
+        runs = [(m, p) for m in args.methods for p in (["-"] if m == "ar" else args.proposal)]
+        for method, proposal in runs:
+            row = bench(method, b, context, backend, model, config, dtype, bandwidth, args,
+                        proposal, temperature)
             if method == "ar":
                 ar_ms = row["step_ms"]
             elif ar_ms is not None:
@@ -179,11 +209,13 @@ def main():
             if args.out:
                 with open(args.out, "a") as f:
                     f.write(json.dumps(row) + "\n")
-    print(f"\n{'method':8} {'attn':6} {'context':>7} {'B':>3} {'step ms':>9} {'floor':>7} "
+    print(f"\n{'method':8} {'path':6} {'T':>4} {'attn':6} {'context':>7} {'B':>3} "
+          f"{'step ms':>9} {'floor':>7} "
           f"{'draft':>7} {'verify':>7} {'accept':>7} {'x@tau4':>7} {'x@tau6':>7} {'x@tau8':>7}")
     for r in rows:
         f = lambda k: f"{r[k]:7.2f}" if k in r else "      -"  # noqa: E731
-        print(f"{r['method']:8} {r['attention_backend']:6} {r['context']:7d} {r['batch']:3d} "
+        print(f"{r['method']:8} {r['proposal']:6} {r['temperature']:4.2g} "
+              f"{r['attention_backend']:6} {r['context']:7d} {r['batch']:3d} "
               f"{r['step_ms']:9.3f} {f('floor_ms')} "
               f"{f('draft_ms')} {f('verify_ms')} {f('accept_ms')} {f('speedup_tau4')} "
               f"{f('speedup_tau6')} {f('speedup_tau8')}")

@@ -31,16 +31,24 @@ from dspine_jax.drafters.model import BlockDrafter
 from dspine_jax.attention import AttentionMetadata
 from dspine_jax.kv_cache import PagedKVCache
 from dspine_jax.sampling import sample_tokens, target_probabilities
-from dspine_jax.speculative.propose import Proposal, propose
-from dspine_jax.speculative.verify import Verdict, verify
+from dspine_jax.speculative.propose import Proposal
+from dspine_jax.speculative.verify import Verdict, verify, verify_logits
 from dspine_jax.target import TargetModel
 
 
 class SpeculativeEngine(BatchDecoder):
     def __init__(self, target: TargetModel, drafter: BlockDrafter, *,
-                 eos_token_ids: Sequence[int] = (), steps_per_call: int = 4, **options):
-        """options: BatchDecoder's (attention_backend, page_size, num_pages)."""
+                 eos_token_ids: Sequence[int] = (), steps_per_call: int = 4,
+                 proposal_impl: str = "sparse", proposal_kernel: str = "xla", **options):
+        """options: BatchDecoder's (attention_backend, page_size, num_pages).
+        proposal_impl: "sparse" (q and p only where needed, no [K, V] warp) or "dense"
+        (the original [B, K, V] p and q, kept for comparison). proposal_kernel: the
+        `vocab_top_k` implementation of DSpine's sparse proposal ("xla", "auto",
+        "pallas_gpu", "pallas_tpu"); "xla" until the Pallas kernels have run on hardware."""
         drafter.config.check_target(target.config)
+        drafter.proposer(proposal_impl)  # refuses an unknown name now, not at trace time
+        self.proposal_impl = proposal_impl
+        self.proposal_kernel = proposal_kernel
         self.drafter_config = drafter.config
         super().__init__(target, eos_token_ids=eos_token_ids, steps_per_call=steps_per_call,
                          **options)
@@ -86,14 +94,18 @@ class SpeculativeEngine(BatchDecoder):
         out = drafter.draft_block(state.last_token, state.caches[1], target.input_embedding(),
                                   e_out, attention=self.attention)
         state = state.replace(caches=(state.caches[0], out.context))
-        return propose(drafter, out, state.last_token, e_out, sampling, rng), state
+        proposal = drafter.proposer(self.proposal_impl, self.proposal_kernel).propose(
+            out, state.last_token, e_out, sampling, rng)
+        return proposal, state
 
     def verify(self, params, state: DecodeState, proposal: Proposal, sampling, rng):
         block = jnp.concatenate([state.last_token[:, None], proposal.tokens], axis=1)
         out = self.target(params)(block, state.caches[0], attention=self.attention,
                                   hidden_layer_ids=self.layer_ids)
-        p = target_probabilities(out.logits, sampling)
-        return verify(proposal.tokens, proposal.q, p, rng), out
+        if self.proposal_impl == "dense":
+            p = target_probabilities(out.logits, sampling)
+            return verify(proposal.tokens, proposal.dense_q(), p, rng), out
+        return verify_logits(proposal, out.logits, sampling, rng), out
 
     def accept(self, params, state: DecodeState, proposal: Proposal, verdict: Verdict,
                target_out, ignore_eos) -> DecodeState:

@@ -10,8 +10,15 @@ reference (plain JAX, the documentation of what the kernels compute).
   (DFlash's draft block after its context). Mosaic TPU kernel and a Hopper GPU kernel
   (split-KV flash-decoding, Pallas Triton lowering); timings in
   `benchmarks/attention_kernels.py`.
+* `dspine_proposal` (folder `dspine_proposal/`): DSpine's decoding head without a
+  vocabulary-sized tensor per slot: `vocab_top_k` (the top-C candidates straight from the
+  drafter's hidden states and the lm_head, a running top-k over vocabulary tiles; Mosaic
+  TPU kernel and a Hopper GPU kernel, Pallas Triton lowering, split over the vocabulary),
+  then the C x C transition table and the chain walk in plain JAX (`dspine_proposal`).
 """
 
+from .dspine_proposal import dspine_proposal, vocab_top_k, vocab_top_k_reference
 from .ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
 
-__all__ = ["ragged_paged_attention", "ragged_paged_attention_reference"]
+__all__ = ["ragged_paged_attention", "ragged_paged_attention_reference", "dspine_proposal",
+           "vocab_top_k", "vocab_top_k_reference"]

@@ -1,24 +1,48 @@
-"""Turning one drafter pass into draft tokens and the distribution q each came from.
+"""What a drafter proposes: draft tokens, the probability q each had under the drafter's
+own (warped) distribution, and what verification needs to sample a residual.
 
-DFlash: every slot independently from its own marginal (argmax at T = 0).
-DSpine (design doc 2.5): top-k candidates per slot from the base logits, a k x k table of
-transition scores per slot (all slots in one batched op), then a walk from the anchor that
-picks each successor given the chosen predecessor; q_i(. | a) = softmax over the k
-candidates (zero elsewhere), so speculative sampling stays exact.
+The engine never looks inside a drafter: it asks `drafter.proposer(impl)` for a
+`Proposer` and gets back one of the proposals below. Verification reads a proposal only
+through three calls:
 
-Sampling settings warp q exactly as they warp the target's p (`warp_logits`).
-Shape legend: B batch, K block size, S = K - 1 drafted slots, C candidates, V vocab,
-D hidden.
+  token_q()    [B, S]  q_i(d_i) of each drafted token (1 at greedy rows)
+  q_row(n)     [B, V]  the whole q of slot n[b] (zeros for n = S: the bonus row), needed
+                       once per row for the residual norm(max(0, p - q))
+  dense_q()    [B, S, V] every q (the dense path, tests and diagnostics)
+
+Three kinds:
+  Proposal           dense q [B, S, V] (the original path; tests' hand-built drafts)
+  CandidateProposal  q supported on C candidates per slot (DSpine's decoding head):
+                     ids [B, S, C] and their probabilities, zero elsewhere
+  MarginalProposal   q = softmax(warp(logits)) of each slot's own logits (DFlash): the
+                     logits plus the warp's threshold and log-normaliser per slot, so any
+                     one row of q is rebuilt on demand and nothing [S, V] is built
+
+The functions here work on arrays only (`sample_marginal`, `walk_chain`); which drafter
+computes which arrays lives in `dspine_jax/drafters/proposers.py`.
+
+Shape legend: B batch, K block size, S = K - 1 drafted slots, C candidates, V vocab.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dspine_jax.drafters.model import BlockDrafter, DraftOutput
-from dspine_jax.sampling import SamplingParams, top_k_indices, warp_logits
+from dspine_jax.sampling import (SamplingParams, first_argmax, greedy_rows_argmax,
+                                 sample_categorical, warp_logits, warp_stats,
+                                 warped_probability)
+
+
+def _pick_row(x: jax.Array, n: jax.Array) -> jax.Array:
+    """x [B, S, ...] -> x[b, n[b]] [B, ...], zeros where n[b] == S (past the last slot)."""
+    s = x.shape[1]
+    row = jnp.take_along_axis(x, jnp.minimum(n, s - 1).reshape((-1, 1) + (1,) * (x.ndim - 2)),
+                              axis=1)[:, 0]
+    return jnp.where((n < s).reshape((-1,) + (1,) * (x.ndim - 2)), row, 0)
 
 
 @struct.dataclass
@@ -26,9 +50,88 @@ class Proposal:
     tokens: jax.Array  # [B, S] drafted tokens for slots 1 .. K-1
     q: jax.Array       # [B, S, V] the distribution each was drawn from (one-hot at T = 0)
 
+    def token_q(self) -> jax.Array:
+        return jnp.take_along_axis(self.q, self.tokens[..., None], -1)[..., 0]
 
-def _sample(logits: jax.Array, sampling: SamplingParams, rng: jax.Array):
-    """Per-row: argmax and its one-hot at T = 0, else a draw from the warped softmax."""
+    def q_row(self, n: jax.Array) -> jax.Array:
+        return _pick_row(self.q, n)
+
+    def dense_q(self) -> jax.Array:
+        return self.q
+
+
+@struct.dataclass
+class CandidateProposal:
+    tokens: jax.Array      # [B, S]
+    q_tokens: jax.Array    # [B, S] q of each drafted token
+    candidates: jax.Array  # [B, S, C] token ids q is supported on (distinct per slot)
+    q: jax.Array           # [B, S, C] their probabilities (one-hot at greedy rows)
+    vocab_size: int = struct.field(pytree_node=False, default=0)
+
+    def token_q(self) -> jax.Array:
+        return self.q_tokens
+
+    def q_row(self, n: jax.Array) -> jax.Array:
+        ids, probs = _pick_row(self.candidates, n), _pick_row(self.q, n)      # [B, C]
+        rows = jnp.arange(ids.shape[0])[:, None]
+        return jnp.zeros((ids.shape[0], self.vocab_size), jnp.float32).at[rows, ids].add(probs)
+
+    def dense_q(self) -> jax.Array:
+        b, s, _ = self.candidates.shape
+        return jnp.zeros((b, s, self.vocab_size), jnp.float32).at[
+            jnp.arange(b)[:, None, None], jnp.arange(s)[None, :, None], self.candidates].add(self.q)
+
+
+@struct.dataclass
+class MarginalProposal:
+    tokens: jax.Array       # [B, S]
+    q_tokens: jax.Array     # [B, S]
+    logits: jax.Array       # [B, S, V] each slot's own logits (the drafter's, not a copy)
+    sampling: SamplingParams
+    tau: jax.Array | None       # [B, S] warp threshold of the scaled logits (None: greedy)
+    log_norm: jax.Array | None  # [B, S] log-normaliser over the kept tokens
+
+    def token_q(self) -> jax.Array:
+        return self.q_tokens
+
+    def _greedy(self) -> bool:
+        return self.tau is None
+
+    def q_row(self, n: jax.Array) -> jax.Array:
+        vocab = self.logits.shape[-1]
+        hot = jax.nn.one_hot(_pick_row(self.tokens, n), vocab) * (n < self.tokens.shape[1])[:, None]
+        if self._greedy():
+            return hot
+        t = jnp.where(self.sampling.temperature > 0, self.sampling.temperature, 1.0)
+        scaled = _pick_row(self.logits, n).astype(jnp.float32) / t[:, None]
+        probs = warped_probability(scaled, _pick_row(self.tau, n)[:, None],
+                                   _pick_row(self.log_norm, n)[:, None])
+        probs = jnp.where((n < self.tokens.shape[1])[:, None], probs, 0.0)
+        return jnp.where((self.sampling.temperature > 0)[:, None], probs, hot)
+
+    def dense_q(self) -> jax.Array:
+        vocab = self.logits.shape[-1]
+        hot = jax.nn.one_hot(self.tokens, vocab)
+        if self._greedy():
+            return hot
+        t = jnp.where(self.sampling.temperature > 0, self.sampling.temperature, 1.0)
+        probs = warped_probability(self.logits.astype(jnp.float32) / t[:, None, None],
+                                   self.tau[..., None], self.log_norm[..., None])
+        return jnp.where((self.sampling.temperature > 0)[:, None, None], probs, hot)
+
+
+class Proposer(Protocol):
+    """What a drafter hands the engine: one drafter output -> a proposal."""
+
+    def propose(self, out, anchor: jax.Array, output_embedding: jax.Array,
+                sampling: SamplingParams, rng: jax.Array):
+        ...
+
+
+# ----- array-only building blocks --------------------------------------------------------
+def sample_dense(logits: jax.Array, sampling: SamplingParams, rng: jax.Array):
+    """The dense rule: per row, the argmax and its one-hot at T = 0, else a draw from the
+    warped softmax and that whole softmax. logits [B, ..., V] -> (tokens, probs [..., V])."""
     if sampling.all_greedy:
         greedy = jnp.argmax(logits, -1)
         return greedy.astype(jnp.int32), jax.nn.one_hot(greedy, logits.shape[-1])
@@ -42,45 +145,50 @@ def _sample(logits: jax.Array, sampling: SamplingParams, rng: jax.Array):
     return choice.astype(jnp.int32), probs
 
 
-def propose_marginal(out: DraftOutput, sampling: SamplingParams, rng: jax.Array) -> Proposal:
-    """DFlash's rule: each slot from its own distribution."""
-    tokens, q = _sample(out.logits[:, 0, 1:], sampling, rng)
-    return Proposal(tokens=tokens, q=q)
+def sample_marginal(logits: jax.Array, sampling: SamplingParams,
+                    rng: jax.Array) -> MarginalProposal:
+    """Each slot from its own warped softmax, logits [B, S, V], nothing [S, V] built
+    beyond one pass of exp/cumsum: the warp's threshold comes from a partial top-k
+    (`warp_threshold`) and the draw is an inverse CDF (`sample_categorical`)."""
+    if sampling.all_greedy:
+        greedy = first_argmax(logits)
+        return MarginalProposal(tokens=greedy, q_tokens=jnp.ones(greedy.shape, jnp.float32),
+                                logits=logits, sampling=sampling, tau=None, log_norm=None)
+    scaled, tau, log_norm = warp_stats(logits, sampling)
+    probs = warped_probability(scaled, tau[..., None], log_norm[..., None])
+    drawn = sample_categorical(probs, rng)
+    greedy = greedy_rows_argmax(logits, sampling)
+    hot = (sampling.temperature > 0)[:, None]
+    tokens = jnp.where(hot, drawn, greedy)
+    q_tokens = jnp.take_along_axis(probs, tokens[..., None], -1)[..., 0]
+    return MarginalProposal(tokens=tokens, q_tokens=jnp.where(hot, q_tokens, 1.0),
+                            logits=logits, sampling=sampling, tau=tau, log_norm=log_norm)
 
 
-def propose_chain(drafter: BlockDrafter, out: DraftOutput, anchor: jax.Array,
-                  output_embedding: jax.Array, sampling: SamplingParams,
-                  rng: jax.Array) -> Proposal:
-    """DSpine's predecessor-conditioned decoding with the transition cache."""
-    base = out.logits[:, 0, 1:]                                         # [B, S, V]
-    b, s, vocab = base.shape
-    c = min(drafter.config.dspine.top_k, vocab)
-    candidates = top_k_indices(base, c)                                 # [B, S, C]
-    # Predecessor candidates of slot i: the anchor for slot 1, slot i-1's candidates after.
-    preds = jnp.concatenate([jnp.broadcast_to(anchor[:, None, None], (b, 1, c)),
-                             candidates[:, :-1]], axis=1)               # [B, S, C]
-    rows = jnp.take(output_embedding, candidates, axis=0)               # [B, S, C, D]
-    table = drafter.transition_scores(out.pre_injection[:, 0, 1:], preds, rows,
-                                      output_embedding)                # [B, S, C, C]
+def walk_chain(table: jax.Array, candidates: jax.Array, sampling: SamplingParams,
+               rng: jax.Array):
+    """DSpine's walk from the anchor over a transition table.
+
+    table [B, S, C, C]: slot i's scores of its candidates (last axis) given each candidate
+    of slot i-1 (slot 0: given the anchor, every row the same); candidates [B, S, C].
+    At T = 0 the best-scoring successor, else a draw from softmax(warp(scores)) over the C
+    candidates. Returns (tokens [B, S], choice [B, S] candidate index, q [B, S, C])."""
+    b = table.shape[0]
 
     def step(pred_index, inputs):
-        scores, cands, key = inputs                                     # [B, C, C], [B, C]
+        scores, key = inputs                                            # [B, C, C]
         given = jnp.take_along_axis(scores, pred_index[:, None, None], 1)[:, 0]  # [B, C]
-        choice, probs = _sample(given, sampling, key)
-        token = jnp.take_along_axis(cands, choice[:, None], 1)[:, 0]
-        q = jnp.zeros((b, vocab), jnp.float32).at[jnp.arange(b)[:, None], cands].set(probs)
-        return choice, (token, q)
+        choice, probs = sample_dense(given, sampling, key)
+        return choice, (choice, probs)
 
-    keys = jax.random.split(rng, s)
+    keys = jax.random.split(rng, table.shape[1])
     start = jnp.zeros((b,), jnp.int32)                                  # the anchor
-    _, (tokens, q) = jax.lax.scan(step, start, (jnp.moveaxis(table, 1, 0),
-                                                jnp.moveaxis(candidates, 1, 0), keys))
-    return Proposal(tokens=jnp.moveaxis(tokens, 0, 1), q=jnp.moveaxis(q, 0, 1))
+    _, (choice, q) = jax.lax.scan(step, start, (jnp.moveaxis(table, 1, 0), keys))
+    choice, q = jnp.moveaxis(choice, 0, 1), jnp.moveaxis(q, 0, 1)
+    tokens = jnp.take_along_axis(candidates, choice[..., None], -1)[..., 0]
+    return tokens, choice, q
 
 
-def propose(drafter: BlockDrafter, out: DraftOutput, anchor, output_embedding, sampling,
-            rng) -> Proposal:
-    spine = drafter.config.dspine
-    if spine is not None and spine.refinement_head:
-        return propose_chain(drafter, out, anchor, output_embedding, sampling, rng)
-    return propose_marginal(out, sampling, rng)
+def propose(drafter, out, anchor, output_embedding, sampling, rng, impl: str = "dense"):
+    """The drafter's own proposer (`drafter.proposer(impl)`), applied to one drafter output."""
+    return drafter.proposer(impl).propose(out, anchor, output_embedding, sampling, rng)

@@ -1,0 +1,122 @@
+"""Each drafter's proposer: the arrays a drafter pass turns into a proposal.
+
+`BlockDrafter.proposer(impl)` returns one of these; the engine calls only its `propose`.
+
+  impl="sparse" (default)
+    DFlash  `sample_marginal`: argmax at T = 0 (through TopK), else the warp's threshold
+            from a partial top-k and an inverse-CDF draw; q stays implicit (logits + the
+            warp's threshold and normaliser, `MarginalProposal`).
+    DSpine  `pallas_kernels.dspine_proposal`: top-C candidates straight from the final
+            hidden states (`vocab_top_k`: the Pallas kernel on GPU/TPU with
+            kernel_implementation "auto"; XLA's TopK with "xla", the default, and on the
+            CPU; either way the drafter's own [S, V] logits are dead code), the C x C transition table
+            and the walk; q over the C candidates only (`CandidateProposal`).
+  impl="dense"
+    The original path, kept for comparison: q [B, S, V] for every slot, warped by a full
+    sort of the vocabulary (`Proposal`).
+
+Shape legend: B batch, K block size, S = K - 1 drafted slots, C candidates, V vocab.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dspine_jax.sampling import SamplingParams, top_k_indices
+from dspine_jax.speculative.propose import (CandidateProposal, Proposal, sample_dense,
+                                            sample_marginal)
+
+PROPOSAL_IMPLS = ("sparse", "dense")
+
+
+def check_impl(impl: str) -> None:
+    if impl not in PROPOSAL_IMPLS:
+        raise ValueError(f"proposal implementation must be one of {PROPOSAL_IMPLS}, got {impl!r}")
+
+
+class MarginalProposer:
+    """DFlash's rule: every slot from its own distribution."""
+
+    def __init__(self, impl: str = "sparse"):
+        check_impl(impl)
+        self.impl = impl
+
+    def propose(self, out, anchor, output_embedding, sampling: SamplingParams, rng):
+        logits = out.logits[:, 0, 1:]                                     # [B, S, V]
+        if self.impl == "dense":
+            tokens, q = sample_dense(logits, sampling, rng)
+            return Proposal(tokens=tokens, q=q)
+        return sample_marginal(logits, sampling, rng)
+
+
+class ChainProposer:
+    """DSpine's predecessor-conditioned decoding with the transition cache."""
+
+    def __init__(self, drafter, impl: str = "sparse", kernel_implementation: str = "xla"):
+        check_impl(impl)
+        self.drafter = drafter
+        self.impl = impl
+        self.kernel_implementation = kernel_implementation
+
+    def transition_weights(self):
+        from pallas_kernels.dspine_proposal import TransitionWeights
+
+        d = self.drafter
+        last = d.config.num_hidden_layers - 1
+        inj = d.injection
+        return TransitionWeights(
+            readout=inj.readouts[last].weight[...], write=inj.writes[last].weight[...],
+            message=inj.message.weight[...], receiver_gate=inj.receiver_gate.weight[...],
+            predecessor_gate=inj.predecessor_gate.weight[...], bias=inj.bias[...],
+            norm_weight=d.norm.weight[...], transfer_mean=d.transfer_mean[...],
+            transfer_whiten=d.transfer_whiten[...])
+
+    def propose(self, out, anchor, output_embedding, sampling: SamplingParams, rng):
+        if self.impl == "dense":
+            return self._dense(out, anchor, output_embedding, sampling, rng)
+        from pallas_kernels.dspine_proposal import dspine_proposal
+
+        d = self.drafter
+        candidates, choice, q = dspine_proposal(
+            out.hidden[:, 0, 1:], out.pre_injection[:, 0, 1:], anchor, output_embedding,
+            self.transition_weights(), sampling.temperature, sampling.top_p, sampling.top_k,
+            rng, num_candidates=d.config.dspine.top_k, eps=float(d.norm.eps),
+            greedy=sampling.all_greedy, implementation=self.kernel_implementation)
+        tokens = jnp.take_along_axis(candidates, choice[..., None], -1)[..., 0]
+        q_tokens = jnp.take_along_axis(q, choice[..., None], -1)[..., 0]
+        return CandidateProposal(tokens=tokens, q_tokens=q_tokens, candidates=candidates, q=q,
+                                 vocab_size=output_embedding.shape[0])
+
+    def _dense(self, out, anchor, output_embedding, sampling, rng) -> Proposal:
+        drafter = self.drafter
+        base = out.logits[:, 0, 1:]                                       # [B, S, V]
+        b, s, vocab = base.shape
+        c = min(drafter.config.dspine.top_k, vocab)
+        candidates = top_k_indices(base, c)                               # [B, S, C]
+        preds = jnp.concatenate([jnp.broadcast_to(anchor[:, None, None], (b, 1, c)),
+                                 candidates[:, :-1]], axis=1)             # [B, S, C]
+        rows = jnp.take(output_embedding, candidates, axis=0)             # [B, S, C, D]
+        table = drafter.transition_scores(out.pre_injection[:, 0, 1:], preds, rows,
+                                          output_embedding)              # [B, S, C, C]
+
+        def step(pred_index, inputs):
+            scores, cands, key = inputs                                   # [B, C, C], [B, C]
+            given = jnp.take_along_axis(scores, pred_index[:, None, None], 1)[:, 0]
+            choice, probs = sample_dense(given, sampling, key)
+            token = jnp.take_along_axis(cands, choice[:, None], 1)[:, 0]
+            q = jnp.zeros((b, vocab), jnp.float32).at[jnp.arange(b)[:, None], cands].set(probs)
+            return choice, (token, q)
+
+        keys = jax.random.split(rng, s)
+        start = jnp.zeros((b,), jnp.int32)                                # the anchor
+        _, (tokens, q) = jax.lax.scan(step, start, (jnp.moveaxis(table, 1, 0),
+                                                    jnp.moveaxis(candidates, 1, 0), keys))
+        return Proposal(tokens=jnp.moveaxis(tokens, 0, 1), q=jnp.moveaxis(q, 0, 1))
+
+
+def proposer_for(drafter, impl: str = "sparse", kernel_implementation: str = "xla"):
+    spine = drafter.config.dspine
+    if spine is not None and spine.refinement_head:
+        return ChainProposer(drafter, impl, kernel_implementation)
+    return MarginalProposer(impl)
