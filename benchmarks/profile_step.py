@@ -28,7 +28,7 @@ from dspine_benchmarks.decode_step import load_jax_target, pool_pages, with_cont
 from dspine_benchmarks.spec_step import make_decoder
 
 
-def parse_args():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--target", default="preset:smollm2-135m")
@@ -43,10 +43,15 @@ def parse_args():
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--draft-layers", type=int, default=5)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--proposal", default="sparse", choices=["dense", "sparse"],
+                   help="proposal/verification path of the speculative engine")
+    p.add_argument("--proposal-kernel", default="xla",
+                   choices=["xla", "auto", "pallas_gpu", "pallas_tpu"],
+                   help="vocab_top_k implementation of DSpine's sparse proposal")
     p.add_argument("--top", type=int, default=15, help="operations listed per method")
     p.add_argument("--trace-dir", default=None, help="keep the traces here (default: temp)")
     p.add_argument("--out", default=None, help="write the summary as JSON")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def device_events(trace: dict) -> list[dict]:
@@ -78,7 +83,8 @@ def profile(method: str, model, config, args, trace_dir: Path) -> dict:
     new_tokens = context - args.prompt_len + 4 * (args.calls + 2) * args.steps_per_call
     num_pages = pool_pages(args.batch, args.prompt_len + new_tokens + args.block_size,
                            args.page_size)
-    decoder, _ = make_decoder(method, model, config, args, args.attention_backend, num_pages)
+    decoder, _ = make_decoder(method, model, config, args, args.attention_backend, num_pages,
+                              proposal=args.proposal)
     prompts = np.random.default_rng(0).integers(0, config.vocab_size,
                                                 size=(args.batch, args.prompt_len)).tolist()
     run = decoder.prepare(prompts, max_new_tokens=new_tokens, ignore_eos=True)
@@ -97,8 +103,8 @@ def profile(method: str, model, config, args, trace_dir: Path) -> dict:
             "context": context, "passes": passes, "trace": str(path), **summary}
 
 
-def main():
-    args = parse_args()
+def main(argv=None):
+    args = parse_args(argv)
     context = args.context or args.prompt_len
     positions = context + 4 * (args.calls + 2) * args.steps_per_call + args.block_size
     model, config, _ = load_jax_target(args.target, args.dtype, positions)

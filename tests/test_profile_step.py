@@ -34,3 +34,18 @@ def test_gpu_kernels_are_summed_per_pass_and_host_frames_ignored():
 def test_a_cpu_trace_falls_back_to_xla_op_events():
     summary = summarise(device_events(trace(False)), passes=1, top=5)
     assert [r["op"] for r in summary["top"]] == ["fusion.3"]
+
+
+def test_the_script_profiles_an_ar_step_and_a_dspine_pass(tiny_llama_dir, tmp_path):
+    from dspine_benchmarks.profile_step import main
+
+    out = tmp_path / "profile.json"
+    main(["--target", str(tiny_llama_dir), "--methods", "ar", "dspine", "--prompt-len", "8",
+          "--calls", "1", "--steps-per-call", "2", "--draft-layers", "1", "--block-size", "4",
+          "--dtype", "f32", "--attention-backend", "xla", "--trace-dir", str(tmp_path / "t"),
+          "--out", str(out)])
+    import json
+
+    results = json.loads(out.read_text())["results"]
+    assert [r["method"] for r in results] == ["ar", "dspine"]
+    assert all(r["device_us_per_pass"] > 0 and r["top"] for r in results)
