@@ -91,7 +91,7 @@ class PallasBackend(AttentionBackend):
     def __init__(self, implementation: str | None = None, interpret: bool | None = None):
         """implementation: "pallas_gpu" | "pallas_tpu"; default the platform's kernel,
         and the GPU kernel interpreted where there is none (CPU)."""
-        from pallas_kernels.ragged_paged_attention.common import backend_implementation
+        from pallas_kernels.platform import backend_implementation
 
         native = backend_implementation()
         if implementation is None:
@@ -136,7 +136,7 @@ class PallasBackend(AttentionBackend):
 
 def default_backend_name() -> str:
     """pallas where the platform has a compiled kernel (CUDA GPU, TPU), else xla."""
-    from pallas_kernels.ragged_paged_attention.common import backend_implementation
+    from pallas_kernels.platform import backend_implementation
 
     return "xla" if backend_implementation() == "xla" else "pallas"
 

@@ -21,7 +21,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .common import IMPLEMENTATIONS, backend_implementation, check_inputs
+from .common import IMPLEMENTATIONS, check_inputs
+from ..platform import backend_implementation
 from .reference import (TransitionWeights, transition_table, vocab_top_k_reference,
                         walk_chain, warp_small)
 

@@ -57,13 +57,3 @@ def merge_top_k(run_v, run_i, tile_v, tile_i, kp: int):
         run_v = jnp.where(run_i == sel[:, None], -jnp.inf, run_v)
         tile_v = jnp.where(tile_i == sel[:, None], -jnp.inf, tile_v)
     return new_v, new_i
-
-
-def backend_implementation() -> str:
-    platform = jax.default_backend()
-    if platform == "gpu":
-        version = jax.devices()[0].client.platform_version.lower()
-        return "xla" if "rocm" in version else "pallas_gpu"
-    if platform == "tpu":
-        return "pallas_tpu"
-    return "xla"

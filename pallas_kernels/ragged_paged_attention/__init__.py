@@ -13,7 +13,8 @@ import functools
 
 import jax
 
-from .common import IMPLEMENTATIONS, MASKS, backend_implementation, check_inputs
+from .common import IMPLEMENTATIONS, MASKS, check_inputs
+from ..platform import backend_implementation
 from .reference import ragged_paged_attention_reference
 
 __all__ = ["ragged_paged_attention", "ragged_paged_attention_reference", "IMPLEMENTATIONS",

@@ -6,7 +6,6 @@ heads per kv head, H head dim, P pages in the pool, PS page size, PPS pages per 
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 OP = "ragged_paged_attention"
@@ -111,13 +110,3 @@ def unpack_outputs(out, q_shape, q_lens, dtype):
 
 def default_scale(sm_scale, head_dim: int) -> float:
     return float(head_dim) ** -0.5 if sm_scale is None else float(sm_scale)
-
-
-def backend_implementation() -> str:
-    platform = jax.default_backend()
-    if platform == "gpu":
-        version = jax.devices()[0].client.platform_version.lower()
-        return "xla" if "rocm" in version else "pallas_gpu"
-    if platform == "tpu":
-        return "pallas_tpu"
-    return "xla"
