@@ -198,8 +198,7 @@ def read_prompts(path, tokenizer, vocab_size: int) -> list[list[int]]:
     """JSONL, one {"prompt": text} (needs the target's tokenizer) or {"token_ids": [...]}
     per line; without a file, three fixed texts (or fixed ids for a target without a
     tokenizer)."""
-    import json
-
+    from dspine_jax.data.prompts import read_jsonl
     from dspine_jax.errors import InputError
 
     if path is None:
@@ -208,13 +207,9 @@ def read_prompts(path, tokenizer, vocab_size: int) -> list[list[int]]:
             return [rng.integers(0, vocab_size, n).tolist() for n in (7, 12, 20)]
         return [tokenizer.encode(t) for t in DEFAULT_TEXTS]
     prompts = []
-    for n, line in enumerate(open(path), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{path}:{n}: not JSON ({e})") from e
+    for n, row in read_jsonl(path):
+        if not isinstance(row, dict):
+            raise InputError(f"{path}:{n}: expected a JSON object")
         if "token_ids" in row:
             ids = [int(i) for i in row["token_ids"]]
         elif "prompt" in row and tokenizer is not None:

@@ -56,20 +56,28 @@ def sharegpt_prompts(split: str = "train", *, path: Path | None = None) -> list[
     return prompts
 
 
-def jsonl_prompts(path: Path, *, default_chat: bool = True) -> list[dict]:
-    """User prompts: one {"prompt": str, "chat": bool, "id"?} per line; a malformed line
-    is an error naming its number."""
+def read_jsonl(path) -> list[tuple[int, object]]:
+    """(line number, parsed record) for every non-blank line of a prompts file; a missing
+    file or a line that is not JSON is an error naming the file (and the line)."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{path}: no such prompts file")
-    prompts = []
+    records = []
     for number, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            records.append((number, json.loads(line)))
         except json.JSONDecodeError as e:
             raise InputError(f"{path}:{number}: not valid JSON ({e.msg})") from e
+    return records
+
+
+def jsonl_prompts(path: Path, *, default_chat: bool = True) -> list[dict]:
+    """User prompts: one {"prompt": str, "chat": bool, "id"?} per line; a malformed line
+    is an error naming its number."""
+    prompts = []
+    for number, record in read_jsonl(path):
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
             raise InputError(f'{path}:{number}: expected an object with a string "prompt"')
         chat = record.get("chat", default_chat)
