@@ -12,6 +12,7 @@ are separated by more than the tolerance (a near-tie may order differently).
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 
@@ -307,6 +308,90 @@ def test_bad_implementation_is_refused():
                           implementation="cuda")
 
 
+# ----- the compiler's front end for sm_90, on the CPU ---------------------------------------------
+# The interpreter runs a kernel as Python and accepts code Triton's compiler refuses (a name
+# re-bound from a scalar to a tile inside a loop, say). So every kernel these tests launch is
+# also lowered to Triton IR for Hopper, from the same arguments: no GPU is needed for that.
+_POINTER = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16",
+            torch.int32: "*i32", torch.int64: "*i64", torch.bool: "*i1"}
+
+
+def _signature(fn, args, kwargs):
+    """The (signature, constexprs) a compiled launch of `fn` with these arguments gets."""
+    params = inspect.signature(fn).parameters
+    bound = dict(zip(params, args), **kwargs)
+    signature, constexprs = {}, {}
+    for name, param in params.items():
+        value = bound[name]
+        if "constexpr" in str(param.annotation):
+            signature[name], constexprs[name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            signature[name] = _POINTER[value.dtype]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+        else:
+            signature[name] = "fp32"
+    return signature, constexprs
+
+
+_LOWER = """
+import importlib, json, sys
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import CUDABackend
+from triton.compiler import ASTSource
+import triton._C.libtriton as libtriton
+target = GPUTarget("cuda", 90, 32)
+backend = CUDABackend(target)
+options = backend.parse_options({})
+context = libtriton.ir.context()
+libtriton.ir.load_dialects(context)
+backend.load_dialects(context)
+for module, name, signature, constexprs in json.load(sys.stdin):
+    fn = getattr(importlib.import_module(module), name)
+    ASTSource(fn=fn, signature=signature, constexprs=constexprs).make_ir(
+        target, options, backend.get_codegen_implementation(options),
+        backend.get_module_map(), context)
+    print("lowered", name, constexprs)
+"""
+
+
+def test_every_kernel_lowers_for_hopper(monkeypatch):
+    import json
+    import subprocess
+    import sys
+
+    from triton.runtime.interpreter import InterpretedFunction
+
+    launches = {}
+    run = InterpretedFunction.run
+
+    def record(self, *args, grid, warmup, **kwargs):
+        signature, constexprs = _signature(self.fn, args, kwargs)
+        launches[(self.fn.__name__, repr(sorted(constexprs.items())))] = (
+            self.fn.__module__, self.fn.__name__, signature, constexprs)
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", record)
+    for sparse in (True, False):
+        for warp in WARPS[:3]:
+            test_acceptance(*warp, sparse)
+    test_vocab_topk(torch.bfloat16, 15, 64, 300, 8)
+    test_transition_table(torch.bfloat16, True)
+    test_chain_walk(0.7, 0.8, 0, 5)
+    test_chain_walk(0.0, 1.0, 0, 4)
+    test_gated_injection(torch.bfloat16, 2, 5, 64, 16, 8)
+    assert {name for name, _ in launches} == {
+        "_row_stats", "_accept", "_tile_topk", "_transition", "_chain_walk", "_inject"}
+    # A fresh process: the interpreter patches triton.language in this one.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _LOWER], input=json.dumps(list(
+        launches.values())), env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("lowered") == len(launches)
+
+
 # ----- GPU: Qwen3-8B shapes, compiled ---------------------------------------------------------
 QWEN3_8B = dict(d=4096, v=151936, r=512, m=256, k=16, c=16)
 
@@ -328,7 +413,7 @@ def test_gpu_proposal_at_qwen3_8b_shapes(batch):
     lm_head = randn(s["v"], s["d"], g=g, dtype=dtype, scale=0.02)
     want_v, want_i = dspine_proposal.vocab_topk(hidden, lm_head, s["c"])
     got_v, got_i = dspine_proposal.vocab_topk(hidden, lm_head, s["c"], implementation="triton")
-    close(got_v, want_v, torch.float32, 64)      # bf16 inputs, float32 sums: near-exact
+    close(got_v, want_v, torch.float32, s["d"])  # bf16 inputs, float32 sums over D
     assert (got_i == want_i).float().mean() > 0.99
     head = random_head(s["d"], s["r"], s["m"], s["v"], g, dtype)
     preds = want_i.reshape(batch, -1, s["c"])

@@ -50,6 +50,23 @@ def _row_stats(logits_ptr, max_ptr, arg_ptr, sum_ptr, inv_temp, V: tl.constexpr,
 
 
 @triton.jit
+def _tile_p_q(logits_ptr, qp_ptr, row, qrow, v, best, norm, inv_temp, ids, probs, has_q,
+              V: tl.constexpr, SPARSE: tl.constexpr):
+    """p and q of vocabulary tile v [BLOCK_V] in the row the next token is drawn from.
+    Both passes recompute them rather than keep a [V] row: one tile lives in registers.
+    (Names differ from the scalar p, q of the acceptance loop: Triton would take a
+    reassigned name for a loop-carried value and refuse the scalar-to-tile change.)"""
+    x = tl.load(logits_ptr + row * V + v, mask=v < V, other=float("-inf")).to(tl.float32)
+    x = x * inv_temp
+    p = tl.where(x > float("-inf"), tl.exp(x - best), 0.0) / norm
+    if SPARSE:
+        q = tl.sum(tl.where(v[:, None] == ids[None, :], probs[None, :], 0.0), 1)
+    else:
+        q = tl.load(qp_ptr + qrow * V + v, mask=(v < V) & has_q, other=0.0)
+    return p, q
+
+
+@triton.jit
 def _accept(logits_ptr, draft_ptr, qid_ptr, qp_ptr, max_ptr, arg_ptr, sum_ptr, ua_ptr,
             un_ptr, n_ptr, next_ptr, inv_temp, C, S: tl.constexpr, V: tl.constexpr,
             GREEDY: tl.constexpr, SPARSE: tl.constexpr, C_PAD: tl.constexpr,
@@ -90,20 +107,18 @@ def _accept(logits_ptr, draft_ptr, qid_ptr, qp_ptr, max_ptr, arg_ptr, sum_ptr, u
         if SPARSE:
             ids = tl.load(qid_ptr + qrow * C + pc, mask=(pc < C) & has_q, other=-1)
             probs = tl.load(qp_ptr + qrow * C + pc, mask=(pc < C) & has_q, other=0.0)
+        else:                       # unused by the dense path, but every name must exist
+            ids = pc * 0 - 1
+            probs = pc * 0.0
         # pass 1: the residual's mass (and p's, for the all-zero fallback)
         mass_r = tl.zeros((BLOCK_V,), tl.float32)
         mass_p = tl.zeros((BLOCK_V,), tl.float32)
         for v0 in range(0, V, BLOCK_V):
             v = v0 + offs
-            x = tl.load(logits_ptr + row * V + v, mask=v < V,
-                        other=float("-inf")).to(tl.float32) * inv_temp
-            p = tl.where(x > float("-inf"), tl.exp(x - best), 0.0) / norm
-            if SPARSE:
-                q = tl.sum(tl.where(v[:, None] == ids[None, :], probs[None, :], 0.0), 1)
-            else:
-                q = tl.load(qp_ptr + qrow * V + v, mask=(v < V) & has_q, other=0.0)
-            mass_r += tl.maximum(p - q, 0.0)
-            mass_p += p
+            p_tile, q_tile = _tile_p_q(logits_ptr, qp_ptr, row, qrow, v, best, norm, inv_temp,
+                                       ids, probs, has_q, V, SPARSE)
+            mass_r += tl.maximum(p_tile - q_tile, 0.0)
+            mass_p += p_tile
         total_r = tl.sum(mass_r, 0)
         use_p = total_r <= 0.0
         total = tl.where(use_p, tl.sum(mass_p, 0), total_r)
@@ -114,14 +129,9 @@ def _accept(logits_ptr, draft_ptr, qid_ptr, qp_ptr, max_ptr, arg_ptr, sum_ptr, u
         last = n * 0 - 1
         for v0 in range(0, V, BLOCK_V):
             v = v0 + offs
-            x = tl.load(logits_ptr + row * V + v, mask=v < V,
-                        other=float("-inf")).to(tl.float32) * inv_temp
-            p = tl.where(x > float("-inf"), tl.exp(x - best), 0.0) / norm
-            if SPARSE:
-                q = tl.sum(tl.where(v[:, None] == ids[None, :], probs[None, :], 0.0), 1)
-            else:
-                q = tl.load(qp_ptr + qrow * V + v, mask=(v < V) & has_q, other=0.0)
-            w = tl.where(use_p, p, tl.maximum(p - q, 0.0))
+            p_tile, q_tile = _tile_p_q(logits_ptr, qp_ptr, row, qrow, v, best, norm, inv_temp,
+                                       ids, probs, has_q, V, SPARSE)
+            w = tl.where(use_p, p_tile, tl.maximum(p_tile - q_tile, 0.0))
             cdf = tl.cumsum(w, 0) + running
             first = tl.min(tl.where((cdf > threshold) & (w > 0), v, V), 0)
             result = tl.where(result == V, first, result)
