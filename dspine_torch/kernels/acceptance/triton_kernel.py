@@ -7,7 +7,8 @@
                next token: the argmax at T = 0; at T > 0 two passes over row n: the mass
                of the residual max(0, p - q) (sparse q subtracted by id compare inside each
                tile), then the inverse-CDF draw at u_next (from p if the residual is empty,
-               from p_S, the bonus, when all S drafts were kept).
+               from p_S, the bonus, when all S drafts were kept). Both passes recompute
+               p and q tile by tile with `_tile_p_q`.
 
 p over the vocabulary is never written to memory. With top-k or top-p the caller passes
 warped logits (-inf outside the kept set) and temperature 1.
@@ -47,6 +48,22 @@ def _row_stats(logits_ptr, max_ptr, arg_ptr, sum_ptr, inv_temp, V: tl.constexpr,
     tl.store(max_ptr + row, best)
     tl.store(arg_ptr + row, arg)
     tl.store(sum_ptr + row, total)
+
+
+@triton.jit
+def _tile_p_q(logits_ptr, qp_ptr, ids, probs, row, qrow, v, has_q, best, norm, inv_temp,
+              V: tl.constexpr, SPARSE: tl.constexpr):
+    """p over the vocabulary tile `v` of logits row `row` (from the row's max and
+    normaliser), and q over it: sparse (ids, probs) compared by id, or dense row `qrow`
+    (zero where `has_q` is false: the bonus row has no q)."""
+    x = tl.load(logits_ptr + row * V + v, mask=v < V,
+                other=float("-inf")).to(tl.float32) * inv_temp
+    p = tl.where(x > float("-inf"), tl.exp(x - best), 0.0) / norm
+    if SPARSE:
+        q = tl.sum(tl.where(v[:, None] == ids[None, :], probs[None, :], 0.0), 1)
+    else:
+        q = tl.load(qp_ptr + qrow * V + v, mask=(v < V) & has_q, other=0.0)
+    return p, q
 
 
 @triton.jit
@@ -90,18 +107,16 @@ def _accept(logits_ptr, draft_ptr, qid_ptr, qp_ptr, max_ptr, arg_ptr, sum_ptr, u
         if SPARSE:
             ids = tl.load(qid_ptr + qrow * C + pc, mask=(pc < C) & has_q, other=-1)
             probs = tl.load(qp_ptr + qrow * C + pc, mask=(pc < C) & has_q, other=0.0)
+        else:  # unused: dense q is read tile by tile
+            ids = tl.full((C_PAD,), -1, tl.int32)
+            probs = tl.zeros((C_PAD,), tl.float32)
         # pass 1: the residual's mass (and p's, for the all-zero fallback)
         mass_r = tl.zeros((BLOCK_V,), tl.float32)
         mass_p = tl.zeros((BLOCK_V,), tl.float32)
         for v0 in range(0, V, BLOCK_V):
             v = v0 + offs
-            x = tl.load(logits_ptr + row * V + v, mask=v < V,
-                        other=float("-inf")).to(tl.float32) * inv_temp
-            p = tl.where(x > float("-inf"), tl.exp(x - best), 0.0) / norm
-            if SPARSE:
-                q = tl.sum(tl.where(v[:, None] == ids[None, :], probs[None, :], 0.0), 1)
-            else:
-                q = tl.load(qp_ptr + qrow * V + v, mask=(v < V) & has_q, other=0.0)
+            p, q = _tile_p_q(logits_ptr, qp_ptr, ids, probs, row, qrow, v, has_q, best, norm,
+                             inv_temp, V, SPARSE)
             mass_r += tl.maximum(p - q, 0.0)
             mass_p += p
         total_r = tl.sum(mass_r, 0)
@@ -114,13 +129,8 @@ def _accept(logits_ptr, draft_ptr, qid_ptr, qp_ptr, max_ptr, arg_ptr, sum_ptr, u
         last = n * 0 - 1
         for v0 in range(0, V, BLOCK_V):
             v = v0 + offs
-            x = tl.load(logits_ptr + row * V + v, mask=v < V,
-                        other=float("-inf")).to(tl.float32) * inv_temp
-            p = tl.where(x > float("-inf"), tl.exp(x - best), 0.0) / norm
-            if SPARSE:
-                q = tl.sum(tl.where(v[:, None] == ids[None, :], probs[None, :], 0.0), 1)
-            else:
-                q = tl.load(qp_ptr + qrow * V + v, mask=(v < V) & has_q, other=0.0)
+            p, q = _tile_p_q(logits_ptr, qp_ptr, ids, probs, row, qrow, v, has_q, best, norm,
+                             inv_temp, V, SPARSE)
             w = tl.where(use_p, p, tl.maximum(p - q, 0.0))
             cdf = tl.cumsum(w, 0) + running
             first = tl.min(tl.where((cdf > threshold) & (w > 0), v, V), 0)
