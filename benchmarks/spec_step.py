@@ -51,7 +51,10 @@ def add_step_args(p: argparse.ArgumentParser, *, sweep: bool,
     from dspine_jax.drafters.proposers import KERNEL_IMPLEMENTATIONS
 
     many = {"nargs": "+"} if sweep else {}
-    one_or_list = (lambda x: [x]) if sweep else (lambda x: x)  # noqa: E731
+
+    def one_or_list(value):
+        return [value] if sweep else value
+
     p.add_argument("--target", default="preset:smollm2-135m")
     p.add_argument("--methods", nargs="+", default=list(methods))
     p.add_argument("--batch", type=int, default=[1, 8, 32] if sweep else 1, **many)

@@ -16,9 +16,9 @@ from tqdm import tqdm
 
 from dspine_jax.api import (Pipeline, Prompt, check_attention_backend, check_proposal,
                             resolve_method)
-from dspine_jax.drafters import DEFAULT_PROPOSAL, DEFAULT_PROPOSAL_KERNEL
 from dspine_jax.checkpoints import load_target, resolve_dtype
 from dspine_jax.decoding import mean_accept_length, padded_batch
+from dspine_jax.drafters import DEFAULT_PROPOSAL, DEFAULT_PROPOSAL_KERNEL
 from dspine_jax.errors import InputError
 from dspine_jax.evaluation.benchmarks import load_benchmark
 
