@@ -25,29 +25,13 @@ import jax
 import numpy as np
 
 from dspine_benchmarks.decode_step import load_jax_target, pool_pages, with_context
-from dspine_benchmarks.spec_step import make_decoder
+from dspine_benchmarks.spec_step import add_step_args, make_decoder
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--target", default="preset:smollm2-135m")
-    p.add_argument("--methods", nargs="+", default=["ar", "dspine"])
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--context", type=int, default=None, help="cache length (default: prompt)")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "xla"])
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--steps-per-call", type=int, default=8)
-    p.add_argument("--calls", type=int, default=4)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--draft-layers", type=int, default=5)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--proposal", default="sparse", choices=["dense", "sparse"],
-                   help="proposal/verification path of the speculative engine")
-    p.add_argument("--proposal-kernel", default="xla",
-                   choices=["xla", "auto", "pallas_gpu", "pallas_tpu"],
-                   help="vocab_top_k implementation of DSpine's sparse proposal")
+    add_step_args(p, sweep=False, methods=("ar", "dspine"))
     p.add_argument("--top", type=int, default=15, help="operations listed per method")
     p.add_argument("--trace-dir", default=None, help="keep the traces here (default: temp)")
     p.add_argument("--out", default=None, help="write the summary as JSON")

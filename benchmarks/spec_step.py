@@ -41,35 +41,54 @@ from dspine_benchmarks.decode_step import (jax_copy_bandwidth, load_jax_target, 
                                            pool_pages, step_bytes, with_context)
 
 
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def add_step_args(p: argparse.ArgumentParser, *, sweep: bool,
+                  methods: tuple[str, ...]) -> None:
+    """The options of a run over prefilled random prompts and an engine (the target, the
+    shapes, the drafter, the attention backend, the proposal path), shared with
+    profile_step.py. `sweep`: --batch, --context, --attention-backend and --proposal take
+    several values, each run in turn; else one value each."""
+    from dspine_jax.drafters import DEFAULT_PROPOSAL, DEFAULT_PROPOSAL_KERNEL, PROPOSALS
+    from dspine_jax.drafters.proposers import KERNEL_IMPLEMENTATIONS
+
+    many = {"nargs": "+"} if sweep else {}
+
+    def one_or_list(value):
+        return [value] if sweep else value
+
     p.add_argument("--target", default="preset:smollm2-135m")
-    p.add_argument("--methods", nargs="+", default=["ar", "dflash", "dspine"])
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--methods", nargs="+", default=list(methods))
+    p.add_argument("--batch", type=int, default=[1, 8, 32] if sweep else 1, **many)
     p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--context", type=int, nargs="+", default=None,
-                   help="cache lengths to time passes at (default: --prompt-len)")
-    p.add_argument("--attention-backend", nargs="+", default=["auto"],
-                   choices=["auto", "pallas", "xla"], help="backends to time side by side")
+    p.add_argument("--context", type=int, default=None, **many,
+                   help="cache length(s) to time passes at (default: --prompt-len)")
+    p.add_argument("--attention-backend", default=one_or_list("auto"),
+                   choices=["auto", "pallas", "xla"], **many,
+                   help="attention backend(s)" + (", timed side by side" if sweep else ""))
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--steps-per-call", type=int, default=8)
     p.add_argument("--calls", type=int, default=4)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--draft-layers", type=int, default=5)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--proposal", default=one_or_list(DEFAULT_PROPOSAL), choices=list(PROPOSALS),
+                   **many, help="proposal/verification path(s) of the speculative engine")
+    p.add_argument("--proposal-kernel", default=DEFAULT_PROPOSAL_KERNEL,
+                   choices=list(KERNEL_IMPLEMENTATIONS),
+                   help="vocab_top_k implementation of DSpine's sparse proposal (pallas: "
+                        "the platform's kernel, interpreted on the CPU)")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    add_step_args(p, sweep=True, methods=("ar", "dflash", "dspine"))
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-stages", action="store_true", help="skip the per-stage split")
-    p.add_argument("--proposal", nargs="+", default=["sparse"], choices=["dense", "sparse"],
-                   help="proposal/verification path(s) of the speculative engine")
-    p.add_argument("--proposal-kernel", default="xla",
-                   choices=["xla", "auto", "pallas_gpu", "pallas_tpu"],
-                   help="vocab_top_k implementation of DSpine's sparse proposal")
     p.add_argument("--temperature", type=float, nargs="+", default=[0.0],
                    help="sampling temperature(s); 0 is greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="top-p when temperature > 0")
     p.add_argument("--top-k", type=int, default=0, help="top-k when temperature > 0")
     p.add_argument("--out", default=None)
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def make_decoder(method, model, config, args, backend, num_pages, proposal="sparse"):
@@ -181,8 +200,8 @@ def bench(method, b, context, backend, model, config, dtype, bandwidth, args,
     return row
 
 
-def main():
-    args = parse_args()
+def main(argv=None):
+    args = parse_args(argv)
     contexts = args.context or [args.prompt_len]
     positions = max(contexts) + 4 * (args.calls + 2) * args.steps_per_call + args.block_size
     model, config, dtype = load_jax_target(args.target, args.dtype, positions)

@@ -16,6 +16,8 @@ from typing import Iterator, Sequence
 
 from dspine_jax.checkpoints import LoadedTarget, load_target, resolve_dtype
 from dspine_jax.decoding import BatchDecoder, mean_accept_length
+from dspine_jax.drafters import (DEFAULT_PROPOSAL, DEFAULT_PROPOSAL_KERNEL, PROPOSAL_KERNELS,
+                                 PROPOSALS)
 from dspine_jax.errors import CheckpointError, ConfigError, InputError
 from dspine_jax.registry import BUILTIN_DRAFTERS, DEFAULT_TARGET, resolve_drafter
 from dspine_jax.sampling import validate_sampling
@@ -77,6 +79,25 @@ def check_attention_backend(name: str) -> None:
                          f"got {name!r}")
 
 
+def check_proposal(proposal: str, proposal_kernel: str, method: str | None = None) -> None:
+    """The proposal path (`proposal`, `proposal_kernel`) is a known one and has something to
+    apply to: a drafter (not `method` "ar"), and a kernel only on the sparse path. Runs
+    before anything loads."""
+    for option, value, allowed in (("proposal", proposal, PROPOSALS),
+                                   ("proposal-kernel", proposal_kernel, PROPOSAL_KERNELS)):
+        if value not in allowed:
+            raise InputError(f"--{option} must be one of {', '.join(allowed)}; got {value!r}")
+    given = [f"--{option} {value}" for option, value, default in (
+        ("proposal", proposal, DEFAULT_PROPOSAL),
+        ("proposal-kernel", proposal_kernel, DEFAULT_PROPOSAL_KERNEL)) if value != default]
+    if method == "ar" and given:
+        raise InputError(f"{' and '.join(given)}: how a drafter proposes, but the method is ar "
+                         "(no drafter); drop it, or decode with a drafter (--drafter)")
+    if proposal == "dense" and proposal_kernel != DEFAULT_PROPOSAL_KERNEL:
+        raise InputError(f"--proposal-kernel {proposal_kernel} is the kernel of the sparse "
+                         "proposal; --proposal dense has none: drop one of the two")
+
+
 @dataclasses.dataclass
 class Prompt:
     text: str
@@ -120,31 +141,45 @@ class Pipeline:
     @classmethod
     def load(cls, target: str | Path = DEFAULT_TARGET, drafter: str | Path | None = None, *,
              method: str | None = None, dtype: str = "auto",
-             steps_per_call: int | None = None,
-             attention_backend: str = "auto") -> "Pipeline":
+             steps_per_call: int | None = None, attention_backend: str = "auto",
+             proposal: str = DEFAULT_PROPOSAL,
+             proposal_kernel: str = DEFAULT_PROPOSAL_KERNEL) -> "Pipeline":
         """`method` defaults to whatever `drafter` is (see `resolve_method`);
-        `attention_backend` is auto (pallas on GPU/TPU, else xla), pallas or xla. Every
-        argument is checked before the target loads, so a typo costs no load time."""
+        `attention_backend` is auto (pallas on GPU/TPU, else xla), pallas or xla.
+        With a drafter, `proposal` is sparse (q and p only where verification needs them)
+        or dense (for comparison), and `proposal_kernel` is the top-k over the vocabulary
+        of DSpine's sparse proposal: xla, pallas or auto (pallas on GPU/TPU, else xla).
+        Every argument is checked before the target loads, so a typo costs no load time."""
         resolve_dtype(dtype)
         check_attention_backend(attention_backend)
+        check_proposal(proposal, proposal_kernel)
         choice = resolve_method(target, drafter, method)
+        check_proposal(proposal, proposal_kernel, choice.method)
         return cls.from_choice(load_target(target, dtype=dtype), choice, steps_per_call,
-                               attention_backend=attention_backend)
+                               attention_backend=attention_backend, proposal=proposal,
+                               proposal_kernel=proposal_kernel)
 
     @classmethod
     def from_loaded(cls, loaded: LoadedTarget, drafter: str | Path | None = None, *,
                     method: str | None = None, steps_per_call: int | None = None,
-                    attention_backend: str = "auto") -> "Pipeline":
+                    attention_backend: str = "auto", proposal: str = DEFAULT_PROPOSAL,
+                    proposal_kernel: str = DEFAULT_PROPOSAL_KERNEL) -> "Pipeline":
         """A pipeline over an already loaded target (several drafters share one target)."""
+        check_proposal(proposal, proposal_kernel)
         # A loaded target has a path, not a name: it has no built-in drafter to default to.
-        return cls.from_choice(loaded, resolve_method(None, drafter, method), steps_per_call,
-                               attention_backend=attention_backend)
+        choice = resolve_method(None, drafter, method)
+        check_proposal(proposal, proposal_kernel, choice.method)
+        return cls.from_choice(loaded, choice, steps_per_call,
+                               attention_backend=attention_backend, proposal=proposal,
+                               proposal_kernel=proposal_kernel)
 
     @classmethod
     def from_choice(cls, loaded: LoadedTarget, choice: MethodChoice,
                     steps_per_call: int | None = None, *,
-                    attention_backend: str = "auto") -> "Pipeline":
-        """A pipeline for a `resolve_method` result (checked before the target loaded)."""
+                    attention_backend: str = "auto", proposal: str = DEFAULT_PROPOSAL,
+                    proposal_kernel: str = DEFAULT_PROPOSAL_KERNEL) -> "Pipeline":
+        """A pipeline for a `resolve_method` result (checked before the target loaded);
+        `proposal` and `proposal_kernel` as in `load`, unused by AR."""
         from dspine_jax.drafters.checkpoint import load_drafter
         from dspine_jax.engine import SpeculativeEngine
         from dspine_jax.generate import AutoregressiveGenerator
@@ -158,7 +193,8 @@ class Pipeline:
         model = load_drafter(choice.drafter, dtype=loaded.model.dtype)
         decoder = SpeculativeEngine(loaded.model, model, eos_token_ids=eos,
                                     steps_per_call=steps_per_call or 4,
-                                    attention_backend=attention_backend)
+                                    attention_backend=attention_backend,
+                                    proposal_impl=proposal, proposal_kernel=proposal_kernel)
         return cls(loaded, decoder, choice.method)
 
     def encode(self, prompt: Prompt | str) -> list[int]:

@@ -11,6 +11,7 @@ import typer
 
 import jax.numpy as jnp
 
+from dspine_jax import cli_options as options
 from dspine_jax.errors import ConfigError, DSpineError, InputError
 from dspine_jax.registry import DEFAULT_TARGET
 
@@ -35,29 +36,21 @@ def generate(
     prompts_file: Optional[Path] = typer.Option(
         None, "--prompts-file", metavar="FILE.jsonl",
         help='JSONL, one {"prompt": ..., "chat": true|false} per line.'),
-    target: str = typer.Option(DEFAULT_TARGET, metavar="NAME|PATH",
-                               help="Built-in name, HF folder or .gguf file."),
-    method: Optional[str] = typer.Option(
-        None, metavar="ar|dflash|dspine",
-        help="Default: the drafter's kind with --drafter, else ar. Without --drafter, "
-             "dflash or dspine use the target's built-in drafter of that kind."),
-    drafter: Optional[str] = typer.Option(
-        None, metavar="NAME|PATH", help="Built-in drafter name or checkpoint folder; "
-        "decodes speculatively with it."),
+    target: str = options.target(),
+    method: Optional[str] = options.method(),
+    drafter: Optional[str] = options.drafter(),
     chat: bool = typer.Option(False, "--chat", help="Apply the checkpoint's chat template."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", min=1, metavar="N"),
-    temperature: float = typer.Option(0.0, metavar="T", help="0 is greedy."),
+    temperature: float = options.temperature(),
     top_p: float = typer.Option(1.0, "--top-p", metavar="P"),
     top_k: int = typer.Option(0, "--top-k", metavar="K", help="0 disables."),
-    seed: int = typer.Option(0, metavar="S"),
+    seed: int = options.seed(),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Run to --max-new-tokens."),
-    batch_size: int = typer.Option(8, "--batch-size", min=1, metavar="B",
-                                   help="Prompts decoded together."),
-    dtype: str = typer.Option("auto", metavar="auto|bf16|f32"),
-    attention_backend: str = typer.Option(
-        "auto", "--attention-backend", metavar="auto|pallas|xla",
-        help="auto: pallas (the paged-attention kernel) on GPU/TPU, xla elsewhere; pallas "
-             "on the CPU runs the kernel in interpret mode (slow)."),
+    batch_size: int = options.batch_size(),
+    dtype: str = options.dtype(),
+    attention_backend: str = options.attention_backend(),
+    proposal: str = options.proposal(),
+    proposal_kernel: str = options.proposal_kernel(),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per prompt on stdout."),
 ):
     """Generate text: autoregressive, or speculative with a DFlash or DSpine drafter."""
@@ -75,11 +68,12 @@ def generate(
         prompts = ([Prompt(prompt, chat)] if prompt is not None
                    else read_prompts_file(prompts_file, chat))
         pipe = Pipeline.load(target, drafter, method=method, dtype=dtype,
-                             attention_backend=attention_backend)
-        options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                       top_k=top_k, seed=seed, ignore_eos=ignore_eos)
+                             attention_backend=attention_backend, proposal=proposal,
+                             proposal_kernel=proposal_kernel)
+        sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                        top_k=top_k, seed=seed, ignore_eos=ignore_eos)
         if as_json or len(prompts) > 1:
-            results = pipe.generate(prompts, batch_size=batch_size, **options)
+            results = pipe.generate(prompts, batch_size=batch_size, **sampling)
             for result in results:
                 print(json.dumps(result.to_json(pipe.method)) if as_json else result.text)
             cut = [i for i, r in enumerate(results, 1) if r.finish_reason == "length"]
@@ -88,7 +82,7 @@ def generate(
                            f"--max-new-tokens {max_new_tokens}: prompts "
                            f"{', '.join(map(str, cut))}]", err=True)
             return
-        stream = pipe.stream(prompts[0], **options)
+        stream = pipe.stream(prompts[0], **sampling)
         while True:
             try:
                 sys.stdout.write(next(stream))
@@ -131,8 +125,7 @@ def evaluate_command(
                              help="New folder for results.json, results.md and "
                                   "acceptance.png. A folder that already holds results is "
                                   "refused: pick a new one or delete the old results."),
-    target: str = typer.Option(DEFAULT_TARGET, metavar="NAME|PATH",
-                               help="Built-in name, HF folder or .gguf file."),
+    target: str = options.target(),
     drafter: list[str] = typer.Option([], "--drafter", metavar="NAME|PATH",
                                       help="Drafter name or folder (repeatable); each decodes "
                                       "with its own kind. AR always runs as the baseline."),
@@ -141,19 +134,19 @@ def evaluate_command(
         show_default=False,  # spelled out below: a 54-character word wraps mid-name
         help="Comma-separated benchmark names; default: all of math500, aime24, aime25, "
              "humaneval, mtbench, sharegpt, cnmo."),
-    temperature: float = typer.Option(0.0, metavar="T"),
+    temperature: float = options.temperature(),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1, metavar="N"),
     limit: Optional[int] = typer.Option(None, min=1, metavar="K",
                                         help="First K prompts per benchmark."),
-    batch_size: int = typer.Option(8, "--batch-size", min=1, metavar="B"),
+    batch_size: int = options.batch_size(),
     max_prompt_tokens: Optional[int] = typer.Option(
         None, "--max-prompt-tokens", min=1, metavar="N",
         help="Skip (and count) longer prompts; default: whatever fits the context."),
-    seed: int = typer.Option(0, metavar="S"),
-    dtype: str = typer.Option("auto", metavar="auto|bf16|f32"),
-    attention_backend: str = typer.Option(
-        "auto", "--attention-backend", metavar="auto|pallas|xla",
-        help="auto: pallas on GPU/TPU, xla elsewhere."),
+    seed: int = options.seed(),
+    dtype: str = options.dtype(),
+    attention_backend: str = options.attention_backend(),
+    proposal: str = options.proposal(),
+    proposal_kernel: str = options.proposal_kernel(),
 ):
     """Acceptance length, tokens/s and speedup over AR on the benchmark suite."""
     try:
@@ -169,7 +162,8 @@ def evaluate_command(
         evaluate(target, drafter, names, out, temperature=temperature,
                  max_new_tokens=max_new_tokens, limit=limit, batch_size=batch_size, seed=seed,
                  dtype=dtype, max_prompt_tokens=max_prompt_tokens,
-                 attention_backend=attention_backend)
+                 attention_backend=attention_backend, proposal=proposal,
+                 proposal_kernel=proposal_kernel)
     except DSpineError as e:
         _fail(e)
     typer.echo((out / "results.md").read_text())
@@ -191,7 +185,7 @@ def info(target: str = typer.Option(DEFAULT_TARGET, help="Built-in name or path.
 @app.command("init-drafter", short_help="Write an untrained drafter for a target.")
 def init_drafter(
     out: str = typer.Option(..., "--out", help="Folder to write (must not exist or be empty)."),
-    target: str = typer.Option(DEFAULT_TARGET, help="Built-in name, HF folder or .gguf file."),
+    target: str = options.target(),
     kind: str = typer.Option("dspine", help="dflash or dspine."),
     layers: int = typer.Option(5, min=1, help="Draft layers."),
     block_size: int = typer.Option(16, min=2),
@@ -289,7 +283,7 @@ app.add_typer(data_app, name="data")
 @data_app.command("regenerate", short_help="The target's own responses: training data.")
 def data_regenerate(
     out: Path = typer.Option(..., "--out", help="Dataset folder (resumed if it exists)."),
-    target: str = typer.Option(DEFAULT_TARGET, help="Built-in name, HF folder or .gguf file."),
+    target: str = options.target(),
     source: str = typer.Option("sharegpt", help="sharegpt (training split), "
                                "sharegpt:heldout, or a JSONL prompts file."),
     limit: Optional[int] = typer.Option(None, min=1, help="Use the first N prompts."),
@@ -376,14 +370,9 @@ def train(
 
 @app.command("serve", short_help="OpenAI-compatible HTTP server (completions, chat).")
 def serve_command(
-    target: str = typer.Option(DEFAULT_TARGET, metavar="NAME|PATH",
-                               help="Built-in name, HF folder or .gguf file."),
-    method: Optional[str] = typer.Option(
-        None, metavar="ar|dflash|dspine",
-        help="Default: the drafter's kind with --drafter, else ar. Without --drafter, "
-             "dflash or dspine use the target's built-in drafter of that kind."),
-    drafter: Optional[str] = typer.Option(None, metavar="NAME|PATH",
-                                          help="Built-in drafter name or checkpoint folder."),
+    target: str = options.target(),
+    method: Optional[str] = options.method(),
+    drafter: Optional[str] = options.drafter(),
     max_slots: int = typer.Option(8, "--max-slots", min=1, metavar="N",
                                   help="Requests decoded together (each slot reserves a "
                                        "--max-model-len KV cache)."),
@@ -403,10 +392,10 @@ def serve_command(
     grace_seconds: float = typer.Option(30.0, "--grace-seconds", min=0, metavar="S",
                                         help="On SIGTERM, how long requests in flight may "
                                              "run before they are cancelled."),
-    dtype: str = typer.Option("auto", metavar="auto|bf16|f32"),
-    attention_backend: str = typer.Option(
-        "auto", "--attention-backend", metavar="auto|pallas|xla",
-        help="auto: pallas on GPU/TPU, xla elsewhere."),
+    dtype: str = options.dtype(),
+    attention_backend: str = options.attention_backend(),
+    proposal: str = options.proposal(),
+    proposal_kernel: str = options.proposal_kernel(),
 ):
     """Serve /v1/completions and /v1/chat/completions (streaming too), /v1/models, /health
     and /metrics over one target, decoded AR or speculatively."""
@@ -421,7 +410,8 @@ def serve_command(
                               f"({e})") from e
         resolve_dtype(dtype)
         pipe = Pipeline.load(target, drafter, method=method, dtype=dtype,
-                             attention_backend=attention_backend)
+                             attention_backend=attention_backend, proposal=proposal,
+                             proposal_kernel=proposal_kernel)
         context = pipe.target.config.max_position_embeddings
         if max_model_len is not None and max_model_len > context:
             raise InputError(f"--max-model-len {max_model_len} is past the model's context "

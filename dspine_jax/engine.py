@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspine_jax.decoding import BatchDecoder, DecodeState, emit
+from dspine_jax.drafters import DEFAULT_PROPOSAL, DEFAULT_PROPOSAL_KERNEL
 from dspine_jax.drafters.model import BlockDrafter
 from dspine_jax.attention import AttentionMetadata
 from dspine_jax.kv_cache import PagedKVCache
@@ -39,14 +40,17 @@ from dspine_jax.target import TargetModel
 class SpeculativeEngine(BatchDecoder):
     def __init__(self, target: TargetModel, drafter: BlockDrafter, *,
                  eos_token_ids: Sequence[int] = (), steps_per_call: int = 4,
-                 proposal_impl: str = "sparse", proposal_kernel: str = "xla", **options):
+                 proposal_impl: str = DEFAULT_PROPOSAL,
+                 proposal_kernel: str = DEFAULT_PROPOSAL_KERNEL, **options):
         """options: BatchDecoder's (attention_backend, page_size, num_pages).
         proposal_impl: "sparse" (q and p only where needed, no [K, V] warp) or "dense"
         (the original [B, K, V] p and q, kept for comparison). proposal_kernel: the
-        `vocab_top_k` implementation of DSpine's sparse proposal ("xla", "auto",
-        "pallas_gpu", "pallas_tpu"); "xla" until the Pallas kernels have run on hardware."""
+        `vocab_top_k` implementation of DSpine's sparse proposal ("xla", "auto", "pallas",
+        or vocab_top_k's "pallas_gpu", "pallas_tpu"; see `proposers.kernel_call`); "xla"
+        until the Pallas kernels have run on hardware."""
         drafter.config.check_target(target.config)
-        drafter.proposer(proposal_impl)  # refuses an unknown name now, not at trace time
+        # refuses an unknown name now, not at trace time
+        drafter.proposer(proposal_impl, proposal_kernel)
         self.proposal_impl = proposal_impl
         self.proposal_kernel = proposal_kernel
         self.drafter_config = drafter.config

@@ -171,6 +171,10 @@ def weightless_drafter(tmp_path):
     (["--dtype", "f16"], "dtype must be one of auto"),
     (["--attention-backend", "flash"],
      "attention backend must be one of auto, pallas, xla; got 'flash'"),
+    (["--method", "ar", "--proposal", "dense"],
+     "--proposal dense: how a drafter proposes, but the method is ar"),
+    (["--method", "dspine", "--proposal", "dense", "--proposal-kernel", "pallas"],
+     "--proposal-kernel pallas is the kernel of the sparse proposal; --proposal dense has none"),
 ])
 def test_generate_checks_before_loading(loads_nothing, tmp_path, args, message):
     from typer.testing import CliRunner
@@ -198,6 +202,66 @@ def test_pipeline_load_checks_before_loading(loads_nothing):
         Pipeline.load(drafter="smollm2-135m-instruct-dspine", method="dflash")
     with pytest.raises(CheckpointError, match="neither a built-in name"):
         Pipeline.load(drafter="/random/dir")
+    with pytest.raises(InputError, match="--proposal must be one of sparse, dense; got 'fast'"):
+        Pipeline.load(drafter="smollm2-135m-instruct-dspine", proposal="fast")
+    with pytest.raises(InputError, match="--proposal-kernel must be one of auto, xla, pallas"):
+        Pipeline.load(drafter="smollm2-135m-instruct-dspine", proposal_kernel="pallas_gpu")
+    with pytest.raises(InputError, match="--proposal-kernel pallas: .* the method is ar"):
+        Pipeline.load(proposal_kernel="pallas")
+
+
+# The proposal options of every command that decodes: a bad value names the option and
+# what it takes; a proposal with nothing to propose (no drafter: AR) is refused.
+PROPOSAL_COMMANDS = {"generate": ["generate", "--prompt", "hi"], "serve": ["serve"],
+                     "eval": ["eval", "--benchmarks", "mtbench", "--out", "{tmp}/eval"]}
+
+
+@pytest.mark.parametrize("command", PROPOSAL_COMMANDS)
+@pytest.mark.parametrize("args,message", [
+    (["--proposal", "fast"], "--proposal must be one of sparse, dense; got 'fast'"),
+    (["--proposal-kernel", "triton"],
+     "--proposal-kernel must be one of auto, xla, pallas; got 'triton'"),
+    (["--proposal", "dense"], "--proposal dense: how a drafter proposes, but the method is ar"),
+    (["--proposal-kernel", "auto"],
+     "--proposal-kernel auto: how a drafter proposes, but the method is ar"),
+])
+def test_proposal_options_are_checked_before_loading(loads_nothing, tmp_path, command, args,
+                                                     message):
+    from typer.testing import CliRunner
+
+    from dspine_jax.cli import app
+
+    line = [a.format(tmp=tmp_path) for a in PROPOSAL_COMMANDS[command]] + args
+    result = CliRunner().invoke(app, line)
+    assert result.exit_code == 2, result.output  # 1 would be the loader's AssertionError
+    assert "error: " in result.output and message in result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("command", PROPOSAL_COMMANDS)
+def test_proposal_options_reach_the_pipeline(monkeypatch, tmp_path, command):
+    """What the command passes on, stopped where the target would load."""
+    from typer.testing import CliRunner
+
+    from dspine_jax.cli import app
+
+    seen = {}
+
+    def stop(*args, **kwargs):
+        seen.update(kwargs)
+        raise InputError("stopped before loading")
+
+    monkeypatch.setattr("dspine_jax.api.Pipeline.load", stop)
+    monkeypatch.setattr("dspine_jax.evaluation.run.evaluate", stop)
+    line = [a.format(tmp=tmp_path) for a in PROPOSAL_COMMANDS[command]]
+    drafter = ["--drafter", "smollm2-135m-instruct-dspine"]
+    for extra, want in (([], ("sparse", "xla")),
+                        (["--proposal", "dense"], ("dense", "xla")),
+                        (["--proposal-kernel", "pallas"], ("sparse", "pallas"))):
+        seen.clear()
+        result = CliRunner().invoke(app, line + drafter + extra)
+        assert "stopped before loading" in result.output, result.output
+        assert (seen["proposal"], seen["proposal_kernel"]) == want
 
 
 def test_pallas_backend_names_the_head_dims_it_supports(tiny_llama_dir):

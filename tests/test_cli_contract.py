@@ -128,3 +128,27 @@ def test_readme_python_runs(index, capsys):
     code = fenced_blocks("python")[index]
     exec(compile(code, f"README.md python block {index + 1}", "exec"), {"__name__": "readme"})
     assert capsys.readouterr().out.strip()  # the snippets print what they generate
+
+
+SHARED = ["--target", "--method", "--drafter", "--temperature", "--seed", "--batch-size",
+          "--dtype", "--attention-backend", "--proposal", "--proposal-kernel"]
+
+
+def test_shared_options_read_the_same_in_every_command():
+    """generate, eval and serve take these options from one definition: same default,
+    metavar and help wherever a command has the option (eval's --drafter is repeatable)."""
+    import typer.main
+
+    group = typer.main.get_command(app)
+
+    def options(name):
+        return {opt: (p.default, p.metavar, p.help) for p in group.commands[name].params
+                for opt in p.opts if opt in SHARED}
+
+    seen = {name: options(name) for name in ("generate", "eval", "serve")}
+    assert set(seen["generate"]) == set(SHARED)
+    assert {"--proposal", "--proposal-kernel", "--dtype"} <= set(seen["eval"]) & set(seen["serve"])
+    for name in ("eval", "serve"):
+        for opt, described in seen[name].items():
+            if not (name == "eval" and opt == "--drafter"):
+                assert described == seen["generate"][opt], (name, opt)

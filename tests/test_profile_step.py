@@ -49,3 +49,25 @@ def test_the_script_profiles_an_ar_step_and_a_dspine_pass(tiny_llama_dir, tmp_pa
     results = json.loads(out.read_text())["results"]
     assert [r["method"] for r in results] == ["ar", "dspine"]
     assert all(r["device_us_per_pass"] > 0 and r["top"] for r in results)
+
+
+def test_profile_step_and_spec_step_share_their_engine_options():
+    """One builder: every engine option of spec_step exists in profile_step with the same
+    default (spec_step's sweeps take lists: one value per run there)."""
+    from dspine_benchmarks import profile_step, spec_step
+
+    sweep, single = vars(spec_step.parse_args([])), vars(profile_step.parse_args([]))
+    shared = {"target", "prompt_len", "page_size", "steps_per_call", "calls", "block_size",
+              "draft_layers", "dtype", "proposal_kernel"}
+    assert shared | {"batch", "context", "attention_backend", "proposal"} <= set(single)
+    assert {k: sweep[k] for k in shared} == {k: single[k] for k in shared}
+    assert (sweep["attention_backend"], sweep["proposal"]) == (
+        [single["attention_backend"]], [single["proposal"]])
+    line = ["--proposal", "dense", "--proposal-kernel", "pallas", "--attention-backend", "xla",
+            "--context", "64", "--batch", "2"]
+    one = profile_step.parse_args(line)
+    many = spec_step.parse_args(line)
+    assert (one.proposal, one.proposal_kernel, one.context, one.batch) == ("dense", "pallas",
+                                                                          64, 2)
+    assert (many.proposal, many.attention_backend, many.context, many.batch) == (
+        ["dense"], ["xla"], [64], [2])

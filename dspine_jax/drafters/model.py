@@ -280,13 +280,14 @@ class BlockDrafter(nnx.Module):
                                   v_pages=tuple(p[1] for p in ctx))
         return out.replace(context=written)
 
-    def proposer(self, impl: str = "sparse", kernel_implementation: str = "xla"):
+    def proposer(self, impl: str = "sparse", kernel_implementation: str | None = None):
         """What turns this drafter's pass into draft tokens and their q
         (`dspine_jax/drafters/proposers.py`): impl "sparse" (q only where it is nonzero, no
         [S, V] tensor) or "dense" (the original [B, S, V] q)."""
+        from dspine_jax.drafters import DEFAULT_PROPOSAL_KERNEL
         from dspine_jax.drafters.proposers import proposer_for
 
-        return proposer_for(self, impl, kernel_implementation)
+        return proposer_for(self, impl, kernel_implementation or DEFAULT_PROPOSAL_KERNEL)
 
     # ----- DSpine's decoding head (design doc 2.5) ---------------------------------------------
     def transition_scores(self, pre_injection: jax.Array, predecessors: jax.Array,

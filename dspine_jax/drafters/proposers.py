@@ -7,10 +7,12 @@
             from a partial top-k and an inverse-CDF draw; q stays implicit (logits + the
             warp's threshold and normaliser, `MarginalProposal`).
     DSpine  `pallas_kernels.dspine_proposal`: top-C candidates straight from the final
-            hidden states (`vocab_top_k`: the Pallas kernel on GPU/TPU with
-            kernel_implementation "auto"; XLA's TopK with "xla", the default, and on the
-            CPU; either way the drafter's own [S, V] logits are dead code), the C x C transition table
-            and the walk; q over the C candidates only (`CandidateProposal`).
+            hidden states (`vocab_top_k`, by `kernel_implementation`: "xla", the
+            default, XLA's TopK over the full logits; "pallas" the platform's Pallas kernel,
+            interpreted where none compiles (CPU); "auto" the Pallas kernel on GPU/TPU and
+            XLA elsewhere; either way the drafter's own [S, V] logits are dead code), the
+            C x C transition table and the walk; q over the C candidates only
+            (`CandidateProposal`).
   impl="dense"
     The original path, kept for comparison: q [B, S, V] for every slot, warped by a full
     sort of the vocabulary (`Proposal`).
@@ -23,16 +25,36 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dspine_jax.drafters import DEFAULT_PROPOSAL_KERNEL, PROPOSALS
 from dspine_jax.sampling import SamplingParams, top_k_indices
 from dspine_jax.speculative.propose import (CandidateProposal, Proposal, sample_dense,
                                             sample_marginal)
 
-PROPOSAL_IMPLS = ("sparse", "dense")
+PROPOSAL_IMPLS = PROPOSALS
+# vocab_top_k's own implementation names are taken as they are (benchmarks time each).
+KERNEL_IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_gpu", "pallas_tpu")
 
 
 def check_impl(impl: str) -> None:
     if impl not in PROPOSAL_IMPLS:
         raise ValueError(f"proposal implementation must be one of {PROPOSAL_IMPLS}, got {impl!r}")
+
+
+def kernel_call(kernel: str) -> tuple[str, bool]:
+    """vocab_top_k's (implementation, interpret) for a proposal kernel name. "pallas" is the
+    platform's Pallas kernel, or the GPU kernel in interpret mode where none compiles (the
+    CPU: slow, for tests), as the pallas attention backend does."""
+    from pallas_kernels.platform import backend_implementation
+
+    if kernel not in KERNEL_IMPLEMENTATIONS:
+        raise ValueError(f"proposal kernel must be one of {KERNEL_IMPLEMENTATIONS}, "
+                         f"got {kernel!r}")
+    if kernel in ("auto", "xla"):
+        return kernel, False
+    native = backend_implementation()
+    if kernel == "pallas":
+        kernel = native if native != "xla" else "pallas_gpu"
+    return kernel, kernel != native
 
 
 class MarginalProposer:
@@ -53,11 +75,13 @@ class MarginalProposer:
 class ChainProposer:
     """DSpine's predecessor-conditioned decoding with the transition cache."""
 
-    def __init__(self, drafter, impl: str = "sparse", kernel_implementation: str = "xla"):
+    def __init__(self, drafter, impl: str = "sparse",
+                 kernel_implementation: str = DEFAULT_PROPOSAL_KERNEL):
         check_impl(impl)
         self.drafter = drafter
         self.impl = impl
         self.kernel_implementation = kernel_implementation
+        self.kernel_call = kernel_call(kernel_implementation)  # (implementation, interpret)
 
     def transition_weights(self):
         from pallas_kernels.dspine_proposal import TransitionWeights
@@ -82,7 +106,8 @@ class ChainProposer:
             out.hidden[:, 0, 1:], out.pre_injection[:, 0, 1:], anchor, output_embedding,
             self.transition_weights(), sampling.temperature, sampling.top_p, sampling.top_k,
             rng, num_candidates=d.config.dspine.top_k, eps=float(d.norm.eps),
-            greedy=sampling.all_greedy, implementation=self.kernel_implementation)
+            greedy=sampling.all_greedy, implementation=self.kernel_call[0],
+            interpret=self.kernel_call[1])
         tokens = jnp.take_along_axis(candidates, choice[..., None], -1)[..., 0]
         q_tokens = jnp.take_along_axis(q, choice[..., None], -1)[..., 0]
         return CandidateProposal(tokens=tokens, q_tokens=q_tokens, candidates=candidates, q=q,
@@ -115,8 +140,10 @@ class ChainProposer:
         return Proposal(tokens=jnp.moveaxis(tokens, 0, 1), q=jnp.moveaxis(q, 0, 1))
 
 
-def proposer_for(drafter, impl: str = "sparse", kernel_implementation: str = "xla"):
+def proposer_for(drafter, impl: str = "sparse",
+                 kernel_implementation: str = DEFAULT_PROPOSAL_KERNEL):
     spine = drafter.config.dspine
     if spine is not None and spine.refinement_head:
         return ChainProposer(drafter, impl, kernel_implementation)
+    kernel_call(kernel_implementation)  # refused here too: DFlash has no use for one
     return MarginalProposer(impl)

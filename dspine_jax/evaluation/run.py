@@ -14,9 +14,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from dspine_jax.api import Pipeline, Prompt, check_attention_backend, resolve_method
+from dspine_jax.api import (Pipeline, Prompt, check_attention_backend, check_proposal,
+                            resolve_method)
 from dspine_jax.checkpoints import load_target, resolve_dtype
 from dspine_jax.decoding import mean_accept_length, padded_batch
+from dspine_jax.drafters import DEFAULT_PROPOSAL, DEFAULT_PROPOSAL_KERNEL
 from dspine_jax.errors import InputError
 from dspine_jax.evaluation.benchmarks import load_benchmark
 
@@ -73,20 +75,26 @@ def drafter_labels(methods: list[str], paths: list[str]) -> list[str]:
 def evaluate(target: str, drafters: list[str], benchmarks: list[str], out: Path, *,
              temperature: float = 0.0, max_new_tokens: int = 256, limit: int | None = None,
              batch_size: int = 8, seed: int = 0, dtype: str = "auto",
-             max_prompt_tokens: int | None = None, attention_backend: str = "auto") -> dict:
+             max_prompt_tokens: int | None = None, attention_backend: str = "auto",
+             proposal: str = DEFAULT_PROPOSAL,
+             proposal_kernel: str = DEFAULT_PROPOSAL_KERNEL) -> dict:
     # Every check before the target loads (seconds to minutes): the output folder, the
-    # drafters (each decodes with its own kind), the dtype and the benchmark prompts.
+    # drafters (each decodes with its own kind), the dtype, the proposal path (every
+    # drafter's; without drafters only AR runs) and the benchmark prompts.
     out = Path(out)
     check_out_folder(out)
+    check_proposal(proposal, proposal_kernel)
     choices = [resolve_method(target, d, None) for d in drafters]
     drafters = [str(c.drafter) for c in choices]
+    check_proposal(proposal, proposal_kernel, None if choices else "ar")
     resolve_dtype(dtype)
     check_attention_backend(attention_backend)
     suites = {name: load_benchmark(name)[:limit] for name in benchmarks}
     loaded = load_target(target, dtype=dtype)
     out.mkdir(parents=True, exist_ok=True)
     pipes = {"ar": Pipeline.from_loaded(loaded, attention_backend=attention_backend)}
-    drafter_pipes = [Pipeline.from_choice(loaded, choice, attention_backend=attention_backend)
+    drafter_pipes = [Pipeline.from_choice(loaded, choice, attention_backend=attention_backend,
+                                          proposal=proposal, proposal_kernel=proposal_kernel)
                      for choice in choices]
     for label, pipe in zip(drafter_labels([p.method for p in drafter_pipes], drafters),
                            drafter_pipes):
@@ -111,6 +119,7 @@ def evaluate(target: str, drafters: list[str], benchmarks: list[str], out: Path,
               "max_new_tokens": max_new_tokens, "limit": limit, "batch_size": batch_size,
               "max_prompt_tokens": room,
               "attention_backend": pipes["ar"].decoder.attention.name,
+              "proposal": proposal, "proposal_kernel": proposal_kernel,
               "benchmarks": table, "mean": mean}
     (out / "results.json").write_text(json.dumps(report, indent=2))
     (out / "results.md").write_text(markdown(report))

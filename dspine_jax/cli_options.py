@@ -1,0 +1,72 @@
+"""Options that several `dspine` commands share, each defined once (flag, default, metavar,
+help), so that `generate`, `eval` and `serve` cannot drift apart.
+
+Each function returns a fresh typer option to use as a parameter's default:
+
+    def generate(target: str = options.target(), dtype: str = options.dtype(), ...):
+"""
+
+from __future__ import annotations
+
+import typer
+
+from dspine_jax.drafters import (DEFAULT_PROPOSAL, DEFAULT_PROPOSAL_KERNEL, PROPOSAL_KERNELS,
+                                 PROPOSALS)
+from dspine_jax.registry import DEFAULT_TARGET
+
+
+def target():
+    return typer.Option(DEFAULT_TARGET, "--target", metavar="NAME|PATH",
+                        help="Built-in name, HF folder or .gguf file.")
+
+
+def method():
+    return typer.Option(
+        None, "--method", metavar="ar|dflash|dspine",
+        help="Default: the drafter's kind with --drafter, else ar. Without --drafter, "
+             "dflash or dspine use the target's built-in drafter of that kind.")
+
+
+def drafter():
+    return typer.Option(None, "--drafter", metavar="NAME|PATH",
+                        help="Built-in drafter name or checkpoint folder; decodes "
+                             "speculatively with it.")
+
+
+def temperature():
+    return typer.Option(0.0, "--temperature", metavar="T", help="0 is greedy.")
+
+
+def seed():
+    return typer.Option(0, "--seed", metavar="S")
+
+
+def batch_size():
+    return typer.Option(8, "--batch-size", min=1, metavar="B",
+                        help="Prompts decoded together.")
+
+
+def dtype():
+    return typer.Option("auto", "--dtype", metavar="auto|bf16|f32")
+
+
+def attention_backend():
+    return typer.Option(
+        "auto", "--attention-backend", metavar="auto|pallas|xla",
+        help="auto: pallas (the paged-attention kernel) on GPU/TPU, xla elsewhere; pallas "
+             "on the CPU runs the kernel in interpret mode (slow).")
+
+
+def proposal():
+    return typer.Option(
+        DEFAULT_PROPOSAL, "--proposal", metavar="|".join(PROPOSALS),
+        help="Speculative decoding only. sparse: q and p only where verification needs "
+             "them; dense: q [K-1, V] and p [K, V] for every slot (for comparison).")
+
+
+def proposal_kernel():
+    return typer.Option(
+        DEFAULT_PROPOSAL_KERNEL, "--proposal-kernel", metavar="|".join(PROPOSAL_KERNELS),
+        help="DSpine's sparse proposal: the top-k over the vocabulary. xla: XLA's TopK over "
+             "the full logits; pallas: the Pallas kernel (interpret mode on the CPU, slow); "
+             "auto: pallas on GPU/TPU, xla elsewhere.")
