@@ -25,11 +25,21 @@ WARPS = [(1.0, 1.0, 0), (0.7, 0.9, 0), (1.3, 1.0, 5), (0.5, 0.5, 10), (1.0, 0.3,
          (2.0, 0.95, 1), (3.0, 0.999, 0), (1.0, 1.0, 300)]
 
 
+@pytest.fixture(params=[False, True], ids=["selection", "branch-free"])
+def branch_free(request, monkeypatch):
+    """Both ways `warp_threshold` finds the set: the CPU's partial top-k and bisection,
+    and the GPU's sort with no data-dependent control flow."""
+    monkeypatch.setattr("dspine_jax.sampling.branch_free", lambda: request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("caps", [(64, 1024), (4, 16), (2,)], ids=["default", "small", "tiny"])
 @pytest.mark.parametrize("warp", WARPS, ids=[str(w) for w in WARPS])
-def test_warp_threshold_keeps_what_warp_logits_keeps(warp, caps):
+def test_warp_threshold_keeps_what_warp_logits_keeps(warp, caps, branch_free):
     """Same kept set as the sorting warp (whichever cap decides it, or the fallback sort);
     probabilities within float32 rounding of float64 numpy."""
+    if branch_free and caps != (64, 1024):
+        pytest.skip("the branch-free path has no caps")
     t, p, k = warp
     logits = np.random.default_rng(0).normal(size=(3, 4, 400)) * 3
     params = SamplingParams.create(3, t, p, k)
@@ -45,7 +55,7 @@ def test_warp_threshold_keeps_what_warp_logits_keeps(warp, caps):
         np.testing.assert_allclose(got[i], reference_probs(logits[i], t, p, k), atol=2e-6)
 
 
-def test_warp_threshold_skips_greedy_and_unfiltered_rows():
+def test_warp_threshold_skips_greedy_and_unfiltered_rows(branch_free):
     params = SamplingParams(jnp.asarray([0.0, 1.0, 0.5]), jnp.asarray([0.5, 1.0, 1.0]),
                             jnp.asarray([3, 0, 0], jnp.int32))
     tau = warp_threshold(jnp.asarray(np.random.default_rng(1).normal(size=(3, 50)),
