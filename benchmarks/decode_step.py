@@ -39,6 +39,9 @@ def parse_args():
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--context", type=int, nargs="+", default=None,
                    help="jax: cache lengths to time steps at (default: --prompt-len)")
+    p.add_argument("--capacity", type=int, nargs="+", default=None,
+                   help="jax: positions of pages each row owns (>= what it uses); a step "
+                        "that reads only the used length is flat in it")
     p.add_argument("--attention-backend", nargs="+", default=["auto"],
                    choices=["auto", "pallas", "xla"],
                    help="jax: attention backends to time side by side")
@@ -133,14 +136,17 @@ def bench_jax(args) -> list[dict]:
     contexts = args.context or [args.prompt_len]
     budget = 2 * max(2, args.new_tokens // min(args.steps_per_call)) * max(args.steps_per_call)
     model, config, dtype = load_jax_target(args.target, args.dtype,
-                                           max(contexts) + budget + 2)
+                                           max(contexts + (args.capacity or [])) + budget + 2)
     bandwidth = jax_copy_bandwidth()
     results = []
-    for backend, steps, context, b in itertools.product(
-            args.attention_backend, args.steps_per_call, contexts, args.batch):
+    for backend, steps, context, b, capacity in itertools.product(
+            args.attention_backend, args.steps_per_call, contexts, args.batch,
+            args.capacity or [0]):
         calls = max(2, args.new_tokens // steps)
-        # Budget past what we time, so no row finishes inside the timed calls.
-        new_tokens = context - args.prompt_len + 2 * calls * steps + 2
+        # Budget past what we time, so no row finishes inside the timed calls; a larger
+        # --capacity gives every row more pages than it will use.
+        new_tokens = max(context - args.prompt_len + 2 * calls * steps + 2,
+                         capacity - args.prompt_len)
         gen = AutoregressiveGenerator(
             model, eos_token_ids=[], steps_per_call=steps, attention_backend=backend,
             page_size=args.page_size,
@@ -163,7 +169,7 @@ def bench_jax(args) -> list[dict]:
         floor = step_bytes(config, b, context + calls * steps,
                            np.dtype(dtype).itemsize) / bandwidth
         results.append(dict(impl="jax", attention_backend=gen.attention.name, context=context,
-                            steps_per_call=steps, batch=b, step_ms=step * 1e3,
+                            capacity=args.prompt_len + new_tokens, steps_per_call=steps, batch=b, step_ms=step * 1e3,
                             floor_ms=floor * 1e3, tokens_per_s=b / step,
                             bandwidth_GBps=bandwidth / 1e9, device=str(jax.devices()[0])))
         print(json.dumps(results[-1]), flush=True)
