@@ -213,12 +213,11 @@ class BatchDecoder:
     def empty_state(caches: tuple, out_len: int) -> DecodeState:
         """B idle (done) rows over caches of B rows, with an output buffer of out_len."""
         b = caches[0].batch_size
-        zeros = jnp.zeros((b,), jnp.int32)
-        return DecodeState(
-            caches=caches, last_token=zeros, output=jnp.zeros((b, out_len), jnp.int32),
-            num_generated=zeros, done=jnp.ones((b,), bool), budget=zeros,
-            pass_lengths=jnp.zeros((b, out_len), jnp.int32), num_passes=zeros,
-            rng=row_keys.row_keys(zeros))
+        zeros = lambda *shape: jnp.zeros((b,) + shape, jnp.int32)  # noqa: E731 - one
+        return DecodeState(                                          # buffer per field
+            caches=caches, last_token=zeros(), output=zeros(out_len), num_generated=zeros(),
+            done=jnp.ones((b,), bool), budget=zeros(), pass_lengths=zeros(out_len),
+            num_passes=zeros(), rng=row_keys.row_keys(zeros()))
 
     def start(self, state: DecodeState, rows, logits, sampling, budget, rng, ignore_eos,
               resume_token=None, resume_count=None) -> DecodeState:
