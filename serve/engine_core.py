@@ -10,8 +10,9 @@ target's KV cache and the drafter's context are one `PagedKVCache` each, over on
 pool of `num_pages` pages; each slot owns a row of the page table (`slots.SlotPages`).
 Every step:
   1. aborts take effect (the slot and its pages are free at once);
-  2. each decoding request grows to the pages the next decode call can write (its cache
-     length + `call_lookahead`, never past prompt + max_tokens + the verify block); when
+  2. each decoding request holds exactly the pages the next decode call can write (its
+     cache length + `call_lookahead`, never past prompt + max_tokens + the verify block):
+     it grows, and pages past that (left by rejected drafts near the end) go back; when
      the pool is short, the newest request in a slot is preempted: its pages are freed
      and it goes back to the head of the queue, to be recomputed later from its prompt
      and the tokens it already emitted (nothing is emitted twice);
