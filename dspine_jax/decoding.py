@@ -213,8 +213,10 @@ class BatchDecoder:
     def empty_state(caches: tuple, out_len: int) -> DecodeState:
         """B idle (done) rows over caches of B rows, with an output buffer of out_len."""
         b = caches[0].batch_size
-        zeros = lambda *shape: jnp.zeros((b,) + shape, jnp.int32)  # noqa: E731 - one
-        return DecodeState(                                          # buffer per field
+        # a buffer per field: the engine core donates the state, and a buffer donated
+        # twice in one call is an error
+        zeros = lambda *shape: jnp.zeros((b,) + shape, jnp.int32)  # noqa: E731
+        return DecodeState(
             caches=caches, last_token=zeros(), output=zeros(out_len), num_generated=zeros(),
             done=jnp.ones((b,), bool), budget=zeros(), pass_lengths=zeros(out_len),
             num_passes=zeros(), rng=row_keys.row_keys(zeros()))
