@@ -374,12 +374,21 @@ def serve_command(
     method: Optional[str] = options.method(),
     drafter: Optional[str] = options.drafter(),
     max_slots: int = typer.Option(8, "--max-slots", min=1, metavar="N",
-                                  help="Requests decoded together (each slot reserves a "
-                                       "--max-model-len KV cache)."),
+                                  help="Requests decoded together (the rows of one batch)."),
     max_model_len: Optional[int] = typer.Option(
         None, "--max-model-len", min=2, metavar="N",
         help="Prompt + output positions per request; default: the model's context or "
-             "2048, whichever is less (every slot reserves, and attends over, all of it)."),
+             "2048, whichever is less."),
+    num_pages: Optional[int] = typer.Option(
+        None, "--num-pages", min=1, metavar="N",
+        help="KV cache pages (16 positions each) shared by all slots; requests are admitted "
+             "while their pages are free and the newest is preempted (recomputed later) "
+             "when they run out. Default: --max-slots x the pages of --max-model-len, so "
+             "every slot can hold a full-length request."),
+    prefill_chunk: int = typer.Option(
+        512, "--prefill-chunk", min=1, metavar="N",
+        help="Prompt tokens prefilled per engine step and request: longer prompts take "
+             "several steps while the running requests keep decoding."),
     max_queue: int = typer.Option(256, "--max-queue", min=0, metavar="N",
                                   help="Requests waiting for a slot; more get HTTP 429."),
     host: str = typer.Option("127.0.0.1", metavar="HOST",
@@ -419,7 +428,7 @@ def serve_command(
         max_model_len = max_model_len or min(context, 2048)
         run(pipe, model_name=served_model_name or target, host=host, port=port,
             max_slots=max_slots, max_model_len=max_model_len, max_queue=max_queue,
-            grace_seconds=grace_seconds)
+            num_pages=num_pages, prefill_chunk=prefill_chunk, grace_seconds=grace_seconds)
     except DSpineError as e:
         _fail(e)
 

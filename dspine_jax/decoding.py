@@ -1,16 +1,32 @@
 """What every decoder shares: request checks, shape buckets, ahead-of-time compilation,
 the device-side step loop, token emission (EOS, budget) and the host streaming loop.
 
-A decoder defines three things: the caches it needs, a prefill that returns the first
-token, and one step (one target pass) that proposes tokens for `emit`. Caches are paged:
-each batch gets a page pool (host bookkeeping in `PagePool`; every row's pages for its
-prompt, budget and the step's extra positions are allocated up front) and every model's
-cache shares its page table. Attention runs on the decoder's `attention` backend. Prefill and the
-step loop are compiled once per shape bucket (batch, prompt length and budget rounded up
-to powers of two), before timing starts, so `seconds` never includes compilation.
-`steps_per_call` steps run per host round trip in a `lax.while_loop`.
+A decoder defines three things: the caches it needs, a `prefill` that writes a chunk of
+tokens into them and returns the logits after each row's last one, and one `step` (one
+target pass) that proposes tokens for `emit`. Around them sits the step API that both
+front ends drive, offline `generate`/`stream` here and the serving engine core:
 
-Shape legend: B batch, P padded prompt, N output buffer, E tokens a step may emit.
+  prefill(params, tokens, q_lens, caches)   a chunk [B, T] after what the caches hold
+  start(state, rows, logits, ...)           rows begin decoding: the first token sampled
+                                            from the prefill's logits, or a preempted
+                                            request's last token taken back as the anchor
+  decode(params, state, sampling, ...)      up to `num_steps` steps in a `lax.while_loop`
+  call_lookahead                            cache positions one decode call can write
+
+Randomness is per row: `DecodeState.rng` holds one key per row, and a row's step draws
+from its key folded with its token count (`step_keys`), so its samples depend on its own
+seed and progress only, never on its neighbours, its row index or a preemption.
+
+Caches are paged: every model's cache shares one page table. Offline batches get a page
+pool each (host bookkeeping in `PagePool`; every row's pages for its prompt, budget and
+the step's extra positions are allocated up front); the serving engine shares one pool
+between its slots and grows rows as they decode. Attention runs on the decoder's
+`attention` backend. Offline, prefill and the step loop are compiled once per shape bucket
+(batch, prompt length and budget rounded up to powers of two), before timing starts, so
+`seconds` never includes compilation. `steps_per_call` steps run per host round trip.
+
+Shape legend: B batch, P padded prompt, T prefill chunk, G rows started, N output buffer,
+E tokens a step may emit, V vocab.
 """
 
 from __future__ import annotations
@@ -25,10 +41,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from dspine_jax import row_keys
 from dspine_jax.attention import AttentionBackend, select_backend
 from dspine_jax.errors import InputError
 from dspine_jax.kv_cache import DEFAULT_PAGE_SIZE, PagePool, pages_needed
-from dspine_jax.sampling import SamplingParams
+from dspine_jax.sampling import SamplingParams, sample_tokens
 from dspine_jax.target import TargetModel
 
 MIN_BUCKET = 16
@@ -64,7 +81,7 @@ class DecodeState:
     budget: jax.Array         # [B] max new tokens per row
     pass_lengths: jax.Array   # [B, N] tokens emitted by each target pass after prefill
     num_passes: jax.Array     # [B]
-    rng: jax.Array
+    rng: jax.Array            # [B] keys, one per row (`step_keys` derives each step's)
 
 
 @dataclasses.dataclass
@@ -93,6 +110,18 @@ class BatchResult:
     compile_seconds: float
 
 
+def request_keys(seeds: jax.Array, rows: jax.Array) -> jax.Array:
+    """[B] keys: key(seed) folded with the row index. Offline rows are 0..B-1; a served
+    request is row 0, so it samples as `generate` does for one prompt with its seed."""
+    return row_keys.fold_in(row_keys.row_keys(seeds), rows)
+
+
+def step_keys(state: DecodeState) -> jax.Array:
+    """[B] fresh keys for this step: each row's key folded with its token count (which
+    every active step raises, so no key repeats; prefill's draw uses count 0)."""
+    return row_keys.fold_in(state.rng, state.num_generated)
+
+
 def emit(state: DecodeState, tokens: jax.Array, count: jax.Array, next_input: jax.Array,
          eos: jax.Array, ignore_eos) -> DecodeState:
     """Append tokens[:, :count] [B, E] to each active row, cut at the first EOS and at
@@ -100,7 +129,9 @@ def emit(state: DecodeState, tokens: jax.Array, count: jax.Array, next_input: ja
     b, e = tokens.shape
     active = ~state.done
     j = jnp.arange(e)[None, :]
-    is_eos = jnp.any(tokens[..., None] == eos, -1) & (j < count[:, None]) & ~ignore_eos
+    ignore = jnp.asarray(ignore_eos)
+    ignore = ignore[:, None] if ignore.ndim == 1 else ignore   # per row [B] or one flag
+    is_eos = jnp.any(tokens[..., None] == eos, -1) & (j < count[:, None]) & ~ignore
     hit = jnp.any(is_eos, -1)
     count = jnp.where(hit, jnp.argmax(is_eos, -1) + 1, count)
     count = jnp.minimum(count, state.budget - state.num_generated)
@@ -153,8 +184,10 @@ class BatchDecoder:
         """Empty caches over one page table [B, PPS] of a pool of num_pages pages."""
         raise NotImplementedError
 
-    def prefill_step(self, params, tokens, lengths, caches, sampling, rng):
-        """-> (first token [B], caches after the prompt)."""
+    def prefill(self, params, tokens, q_lens, caches):
+        """Write tokens [B, T] (the first q_lens[b] of row b are real; 0 writes nothing)
+        after what each row's caches hold. -> (logits [B, V] float32 after each row's last
+        real token, the caches)."""
         raise NotImplementedError
 
     def step(self, params, state: DecodeState, sampling, ignore_eos) -> DecodeState:
@@ -164,22 +197,59 @@ class BatchDecoder:
     def target(self, params):
         return nnx.merge(self.target_graph, params[0])
 
-    # ----- compiled pieces ---------------------------------------------------------------
-    def _prefill_fn(self, params, tokens, lengths, caches, sampling, budget, rng, ignore_eos,
-                    out_len):
-        b = tokens.shape[0]
-        rng, key = jax.random.split(rng)
-        first, caches = self.prefill_step(params, tokens, lengths, caches, sampling, key)
-        state = DecodeState(
-            caches=caches, last_token=first, output=jnp.zeros((b, out_len), jnp.int32),
-            num_generated=jnp.zeros((b,), jnp.int32), done=jnp.zeros((b,), bool),
-            budget=budget, pass_lengths=jnp.zeros((b, out_len), jnp.int32),
-            num_passes=jnp.zeros((b,), jnp.int32), rng=rng)
-        state = emit(state, first[:, None], jnp.ones((b,), jnp.int32), first, self.eos,
-                     ignore_eos)
-        return state.replace(num_passes=jnp.zeros_like(state.num_passes))  # prefill: no pass
+    # ----- the step API (offline batches and the serving engine) -------------------------
+    @property
+    def call_lookahead(self) -> int:
+        """Cache positions one decode call (steps_per_call steps) can write past a row's
+        length: a step writes at most max(1, extra_capacity) and advances as far."""
+        return self.steps_per_call * max(1, self.extra_capacity)
 
-    def _decode_fn(self, params, state, sampling, ignore_eos, num_steps):
+    @staticmethod
+    def with_page_table(caches: tuple, page_table: jax.Array) -> tuple:
+        """Every cache over one page table [B, PPS] (the models share their pages)."""
+        return tuple(c.replace(page_table=page_table) for c in caches)
+
+    @staticmethod
+    def empty_state(caches: tuple, out_len: int) -> DecodeState:
+        """B idle (done) rows over caches of B rows, with an output buffer of out_len."""
+        b = caches[0].batch_size
+        # a buffer per field: the engine core donates the state, and a buffer donated
+        # twice in one call is an error
+        zeros = lambda *shape: jnp.zeros((b,) + shape, jnp.int32)  # noqa: E731
+        return DecodeState(
+            caches=caches, last_token=zeros(), output=zeros(out_len), num_generated=zeros(),
+            done=jnp.ones((b,), bool), budget=zeros(), pass_lengths=zeros(out_len),
+            num_passes=zeros(), rng=row_keys.row_keys(zeros()))
+
+    def start(self, state: DecodeState, rows, logits, sampling, budget, rng, ignore_eos,
+              resume_token=None, resume_count=None) -> DecodeState:
+        """Rows [G] of `state` (their prompts already prefilled) begin decoding; rows equal
+        to B (padding) are dropped. A fresh row (resume_token < 0) samples its first token
+        from logits [G, V] and emits it; a resumed row (a preempted request recomputed
+        from its prompt and all but its last token) takes resume_token [G] back as its
+        anchor with resume_count [G] tokens already emitted, and emits nothing.
+        budget [G], rng [G] keys, sampling and ignore_eos per row of the G."""
+        g, n_out = rows.shape[0], state.output.shape[1]
+        if resume_token is None:
+            resume_token = jnp.full((g,), -1, jnp.int32)
+            resume_count = jnp.zeros((g,), jnp.int32)
+        fresh = resume_token < 0
+        zeros = jnp.zeros((g,), jnp.int32)
+        sampled = sample_tokens(logits, sampling, row_keys.fold_in(rng, zeros))
+        first = jnp.where(fresh, sampled, resume_token)
+        new = DecodeState(
+            caches=(), last_token=first, output=jnp.zeros((g, n_out), jnp.int32),
+            num_generated=jnp.where(fresh, 0, resume_count), done=jnp.zeros((g,), bool),
+            budget=budget, pass_lengths=jnp.zeros((g, n_out), jnp.int32), num_passes=zeros,
+            rng=rng)
+        new = emit(new, first[:, None], fresh.astype(jnp.int32), first, self.eos, ignore_eos)
+        new = new.replace(num_passes=zeros)                           # prefill is no pass
+        put = lambda old, x: old.at[rows].set(x, mode="drop")        # noqa: E731
+        return jax.tree.map(put, state.replace(caches=()), new).replace(caches=state.caches)
+
+    def decode(self, params, state: DecodeState, sampling, ignore_eos,
+               num_steps: int) -> DecodeState:
+        """Up to num_steps steps (fewer once every row is done)."""
         def body(carry):
             i, s = carry
             return i + 1, self.step(params, s, sampling, ignore_eos)
@@ -187,6 +257,14 @@ class BatchDecoder:
         _, state = jax.lax.while_loop(lambda c: (c[0] < num_steps) & ~jnp.all(c[1].done), body,
                                       (jnp.int32(0), state))
         return state
+
+    # ----- compiled pieces (offline batches) ----------------------------------------------
+    def _prefill_batch(self, params, tokens, lengths, caches, sampling, budget, rng, ignore_eos,
+                       out_len):
+        logits, caches = self.prefill(params, tokens, lengths, caches)
+        state = self.empty_state(caches, out_len)
+        rows = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+        return self.start(state, rows, logits, sampling, budget, rng, ignore_eos)
 
     def _compile(self, key, fn, *args, static=(), donate=()):
         if key not in self._compiled:
@@ -236,7 +314,8 @@ class BatchDecoder:
             tokens[i, :len(p)] = p
         lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
         budget = jnp.full((b,), max_new_tokens, jnp.int32)
-        rng = jax.random.key(seed)
+        rows = jnp.arange(b, dtype=jnp.int32)
+        rng = request_keys(jnp.full((b,), seed % 2 ** 32, jnp.uint32), rows)
         ignore = jnp.asarray(ignore_eos)
         params = self.params()
 
@@ -249,12 +328,12 @@ class BatchDecoder:
         greedy = sampling.all_greedy  # greedy batches trace no sampling at all
         shape = (b, capacity, num_pages, out_len, greedy)
         # compiled from shapes: no page pool is allocated until the first prefill
-        prefill = self._compile(("prefill", prompt_len) + shape, self._prefill_fn,
+        prefill = self._compile(("prefill", prompt_len) + shape, self._prefill_batch,
                                 *args(abstract=True), out_len, static=("out_len",),
                                 donate=("caches",))
-        state = jax.eval_shape(functools.partial(self._prefill_fn, out_len=out_len),
+        state = jax.eval_shape(functools.partial(self._prefill_batch, out_len=out_len),
                                *args(abstract=True))
-        decode = self._compile(("decode",) + shape, self._decode_fn, params, state, sampling,
+        decode = self._compile(("decode",) + shape, self.decode, params, state, sampling,
                                ignore, self.steps_per_call, static=("num_steps",),
                                donate=("state",))
         return PreparedBatch(prefill=lambda: prefill(*args()),

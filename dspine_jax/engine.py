@@ -22,16 +22,16 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dspine_jax.decoding import BatchDecoder, DecodeState, emit
+from dspine_jax import row_keys
+from dspine_jax.decoding import BatchDecoder, DecodeState, emit, step_keys
 from dspine_jax.drafters import DEFAULT_PROPOSAL, DEFAULT_PROPOSAL_KERNEL
 from dspine_jax.drafters.model import BlockDrafter
 from dspine_jax.attention import AttentionMetadata
 from dspine_jax.kv_cache import PagedKVCache
-from dspine_jax.sampling import sample_tokens, target_probabilities
+from dspine_jax.sampling import target_probabilities
 from dspine_jax.speculative.propose import Proposal
 from dspine_jax.speculative.verify import Verdict, verify, verify_logits
 from dspine_jax.target import TargetModel
@@ -76,18 +76,18 @@ class SpeculativeEngine(BatchDecoder):
                                        dtype=self.dtype)
         return (cache(self.config), cache(self.drafter_config.layer_config()))
 
-    def prefill_step(self, params, tokens, lengths, caches, sampling, rng):
+    def prefill(self, params, tokens, q_lens, caches):
         target_cache, context = caches
-        # right-padded prompts [B, P]: row b's first lengths[b] tokens are real
+        # right-padded chunks [B, T]: row b's first q_lens[b] tokens are real; both caches
+        # grow by them (the context by their target features)
         metadata = AttentionMetadata.paged(target_cache.lengths, target_cache.page_table,
-                                           tokens.shape[1], q_lens=lengths)
+                                           tokens.shape[1], q_lens=q_lens)
         out = self.target(params)(tokens, target_cache, metadata=metadata,
                                   attention=self.attention, hidden_layer_ids=self.layer_ids,
-                                  logits_at=(lengths - 1)[:, None])
-        first = sample_tokens(out.logits[:, 0], sampling, rng)
-        context = self.drafter(params).extend_context(context, out.features(), lengths,
+                                  logits_at=jnp.maximum(q_lens - 1, 0)[:, None])
+        context = self.drafter(params).extend_context(context, out.features(), q_lens,
                                                       attention=self.attention)
-        return first, (out.cache, context)
+        return out.logits[:, 0], (out.cache, context)
 
     # ----- the three stages ------------------------------------------------------------------
     def draft(self, params, state: DecodeState, sampling,
@@ -127,8 +127,7 @@ class SpeculativeEngine(BatchDecoder):
         return emit(state, tokens, n + 1, verdict.next_token, self.eos, ignore_eos)
 
     def step(self, params, state: DecodeState, sampling, ignore_eos) -> DecodeState:
-        rng, draft_key, verify_key = jax.random.split(state.rng, 3)
-        state = state.replace(rng=rng)
+        draft_key, verify_key = row_keys.split(step_keys(state), 2)    # [B] keys each
         proposal, state = self.draft(params, state, sampling, draft_key)
         verdict, target_out = self.verify(params, state, proposal, sampling, verify_key)
         return self.accept(params, state, proposal, verdict, target_out, ignore_eos)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from dspine_jax.attention import AttentionMetadata
 from dspine_jax.decoding import (BatchDecoder, BatchResult, DecodeState, Generation,
-                                 PreparedBatch, bucket, emit)
+                                 PreparedBatch, bucket, emit, step_keys)
 from dspine_jax.kv_cache import PagedKVCache
 from dspine_jax.sampling import sample_tokens
 
@@ -19,21 +18,20 @@ class AutoregressiveGenerator(BatchDecoder):
         return (PagedKVCache.create(self.config, page_table, num_pages,
                                     page_size=self.page_size, dtype=self.dtype),)
 
-    def prefill_step(self, params, tokens, lengths, caches, sampling, rng):
-        # right-padded prompts [B, P]: row b's first lengths[b] tokens are real
+    def prefill(self, params, tokens, q_lens, caches):
+        # right-padded chunks [B, T]: row b's first q_lens[b] tokens are real
         metadata = AttentionMetadata.paged(caches[0].lengths, caches[0].page_table,
-                                           tokens.shape[1], q_lens=lengths)
+                                           tokens.shape[1], q_lens=q_lens)
         out = self.target(params)(tokens, caches[0], metadata=metadata,
-                                  attention=self.attention, logits_at=(lengths - 1)[:, None])
-        first = sample_tokens(out.logits[:, 0], sampling, rng)
-        return first, (out.cache,)
+                                  attention=self.attention,
+                                  logits_at=jnp.maximum(q_lens - 1, 0)[:, None])
+        return out.logits[:, 0], (out.cache,)
 
     def step(self, params, state: DecodeState, sampling, ignore_eos) -> DecodeState:
         cache = state.caches[0]
         out = self.target(params)(state.last_token[:, None], cache, attention=self.attention)
-        rng, key = jax.random.split(state.rng)
-        token = sample_tokens(out.logits[:, 0], sampling, key)
+        token = sample_tokens(out.logits[:, 0], sampling, step_keys(state))
         active = ~state.done
         lengths = jnp.where(active, out.cache.lengths, cache.lengths)  # finished rows stay
-        state = state.replace(caches=(out.cache.replace(lengths=lengths),), rng=rng)
+        state = state.replace(caches=(out.cache.replace(lengths=lengths),))
         return emit(state, token[:, None], jnp.ones_like(token), token, self.eos, ignore_eos)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from dspine_jax import row_keys
 from dspine_jax.errors import InputError
 
 
@@ -244,7 +245,8 @@ def greedy_rows_argmax(logits: jax.Array, params: SamplingParams) -> jax.Array:
 
 
 def sample_categorical(probs: jax.Array, rng: jax.Array, block: int = 256) -> jax.Array:
-    """One draw per row from unnormalised probabilities [..., V] >= 0 (some positive):
+    """One draw per row from unnormalised probabilities [..., V] >= 0 (some positive),
+    rng one key or one per row of the first axis (`row_keys`):
     an inverse CDF in vocabulary order, in two levels (sums of blocks of `block` tokens,
     then the cumsum inside the chosen block), so only reductions touch the whole row
     (16 x 49,152: ~1 ms on 2 CPU cores, where Gumbel-max `categorical` takes 23 ms and a
@@ -255,7 +257,9 @@ def sample_categorical(probs: jax.Array, rng: jax.Array, block: int = 256) -> ja
     padded = jnp.pad(probs.reshape(-1, vocab), ((0, 0), (0, nb * block - vocab)))
     blocks = padded.reshape(-1, nb, block)                              # [R, nb, block]
     sums = jnp.sum(blocks, -1)                                          # [R, nb]
-    u = 1.0 - jax.random.uniform(rng, (padded.shape[0],))              # (0, 1]
+    # (0, 1]; one key per row of `lead`'s first axis, or one key for all
+    u = 1.0 - (row_keys.uniform(rng, lead).reshape(-1) if row_keys.per_row(rng)
+               else jax.random.uniform(rng, (padded.shape[0],)))
     cdf = jnp.cumsum(sums, -1)
     target = u * cdf[:, -1]
     j = jnp.minimum(jnp.sum(cdf < target[:, None], -1), nb - 1)         # the block
@@ -273,11 +277,12 @@ def sample_categorical(probs: jax.Array, rng: jax.Array, block: int = 256) -> ja
 
 
 def sample_tokens(logits: jax.Array, params: SamplingParams, rng: jax.Array) -> jax.Array:
-    """logits [B, V] -> tokens [B] int32: argmax where temperature is 0, else a sample."""
+    """logits [B, V] -> tokens [B] int32: argmax where temperature is 0, else a sample
+    (rng: one key, or [B] keys: see `row_keys`)."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if params.all_greedy:
         return greedy
-    sampled = jax.random.categorical(rng, warp_logits(logits, params), axis=-1)
+    sampled = row_keys.categorical(rng, warp_logits(logits, params))
     return jnp.where(params.temperature > 0, sampled.astype(jnp.int32), greedy)
 
 

@@ -1,56 +1,62 @@
 """The engine core: `add_request` / `abort` / `step` over a fixed set of slots.
 
 In the shape of vLLM's EngineCore: the caller owns the loop (`while core.has_work():
-outputs = core.step()`); each `step` applies aborts, admits waiting requests into free
-slots, runs one decode call (the decoder's `steps_per_call` target passes) for every
-running slot, and returns what each request gained since the last step. One thread drives
-it; `dspine_serve.engine_loop` runs it in the server's background thread.
+outputs = core.step()`), and each `step` returns what each request gained since the last
+one. One thread drives it; `dspine_serve.engine_loop` runs it in the server's background
+thread. This module never imports the HTTP layer; device arrays never leave it.
 
-How it sits on today's decoders (`AutoregressiveGenerator`, `SpeculativeEngine`), which
-decode a batch that is fixed from prefill to the end:
-  * Every slot is the decoder's own batch-of-one `DecodeState` (its own KV page pool of
-    `max_model_len` positions, output buffer, acceptance record and RNG key); the slots
-    are stacked on a leading axis and the decoder's compiled step loop runs over them
-    under `jax.vmap`. Rows never mix, so a request's tokens depend on its own prompt,
-    sampling options and seed only: a seeded request gives the same text alone and under
-    load (its RNG is its own, not a row of a batch key), and per-row temperature, top-p,
-    top-k, max_tokens and ignore_eos come for free.
-  * Admission is per step: a waiting request is prefilled (several at once, as one vmapped
-    call) and written into a free slot between decode calls; a finished or aborted slot is
-    frozen (`done`) and free for the next request at once.
-  * What waits for the slot engine on one shared page pool: every slot reserves pages for
-    a whole `max_model_len` whether its request uses 20 positions or 2,000 (so capacity
-    is slots x max_model_len, not free pages), and every decode call computes all slots,
-    running or not. A shared pool admitted by free pages needs the decoders to draw
-    samples from per-row RNG keys (`DecodeState.rng` is one key per batch today, which
-    is why the slots are vmapped batches of one). This interface (`add_request`, `abort`,
-    `step`, `stats`) stays as it is.
+The slots are the S rows of one batched decoder state, compiled once (no vmap): the
+target's KV cache and the drafter's context are one `PagedKVCache` each, over one shared
+pool of `num_pages` pages; each slot owns a row of the page table (`slots.SlotPages`).
+Every step:
+  1. aborts take effect (the slot and its pages are free at once);
+  2. each decoding request holds exactly the pages the next decode call can write (its
+     cache length + `call_lookahead`, never past prompt + max_tokens + the verify block):
+     it grows, and pages past that (left by rejected drafts near the end) go back; when
+     the pool is short, the newest request in a slot is preempted: its pages are freed
+     and it goes back to the head of the queue, to be recomputed later from its prompt
+     and the tokens it already emitted (nothing is emitted twice);
+  3. waiting requests are admitted, oldest first, while a slot is free and the pool
+     holds the pages for the request's prompt plus one decode call;
+  4. one prefill call writes the next chunk (`prefill_chunk` tokens) of every request
+     still prefilling, so long prompts take several steps while the others keep
+     decoding; a request whose prompt is complete starts: its first token is sampled
+     (a preempted one takes its last emitted token back as the anchor);
+  5. one decode call (`steps_per_call` target passes) runs if any slot was decoding
+     (idle and prefilling slots are frozen rows; no call at all when none decodes);
+  6. new tokens are read back; finished requests free their slots and pages.
 
-Stop token ids and EOS end a request here (the EOS is kept in its tokens, as the library
-does); stop strings need text and are applied by the server on detokenized output (it then
-calls `abort`). This module never imports the HTTP layer; device arrays never leave it.
+Rows never mix: per-row sampling parameters, and one RNG key per row folded with the
+row's token count, so a seeded request gives the same text alone, under load, and after
+a preemption. Stop token ids and EOS end a request here (the EOS is kept in its tokens,
+as the library does); stop strings need text and are applied by the server on
+detokenized output (it then calls `abort`).
 
-Shape legend: S slots, P padded prompt, C cache capacity (max_model_len), G prefill group.
+Shape legend: S slots, G rows in a prefill call, T prefill chunk, N output buffer
+(max_model_len).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
+import itertools
 import secrets
 import time
-import weakref
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspine_jax.decoding import BatchDecoder, DecodeState, bucket
+from dspine_jax.decoding import BatchDecoder, bucket
 from dspine_jax.errors import InputError
 from dspine_jax.kv_cache import pages_needed
 from dspine_jax.sampling import SamplingParams, validate_sampling
+from dspine_serve import slot_steps
+from dspine_serve.slots import SlotPages
+
+DEFAULT_PREFILL_CHUNK = 512
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -92,10 +98,13 @@ class RequestOutput:
 @dataclasses.dataclass
 class EngineStats:
     max_slots: int
-    running: int
+    running: int            # requests in a slot (prefilling or decoding)
     waiting: int
-    capacity_tokens: int    # slots x max_model_len: every slot reserves a whole cache
+    capacity_tokens: int    # KV positions in the page pool (num_pages x page size)
     used_tokens: int        # prompt + generated positions held by running requests
+    num_pages: int
+    free_pages: int
+    preemptions: int        # requests preempted since the start (recomputed later)
 
     @property
     def free_slots(self) -> int:
@@ -103,7 +112,8 @@ class EngineStats:
 
     @property
     def cache_usage(self) -> float:
-        return self.used_tokens / self.capacity_tokens if self.capacity_tokens else 0.0
+        """Pages held / pages in the pool."""
+        return 1 - self.free_pages / self.num_pages if self.num_pages else 0.0
 
     def to_json(self) -> dict:
         return {**dataclasses.asdict(self), "free_slots": self.free_slots,
@@ -116,17 +126,35 @@ class _Request:
     prompt: list[int]
     options: SamplingOptions
     seed: int
+    tokens: list[int] = dataclasses.field(default_factory=list)  # emitted (all returned)
     slot: int = -1
-    read: int = 0            # tokens of the slot's output already returned
+    order: int = -1          # admission count: the newest is preempted first
+    fill: list[int] = dataclasses.field(default_factory=list)    # tokens to prefill
+    filled: int = 0          # of them in the cache
+    decoding: bool = False   # prefill complete, the row runs in decode calls
+    read: int = 0            # the slot's output tokens already returned
     passes_read: int = 0
-    tokens: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def max_positions(self) -> int:
+        """Cache positions the request can ever need (set by check_request)."""
+        return len(self.prompt) + self.options.max_tokens
+
+    def cache_length(self) -> int:
+        """Positions in the caches: the prefilled ones, or prompt + emitted minus the
+        anchor (the last token, not yet written) once decoding."""
+        return len(self.prompt) + len(self.tokens) - 1 if self.decoding else self.filled
 
 
 class EngineCore:
-    """Continuous batching over `max_slots` dense slots of `max_model_len` positions."""
+    """Continuous batching over `max_slots` slots sharing a pool of `num_pages` pages."""
 
     def __init__(self, decoder: BatchDecoder, *, max_slots: int = 8,
-                 max_model_len: int | None = None, max_waiting: int | None = None):
+                 max_model_len: int | None = None, max_waiting: int | None = None,
+                 num_pages: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+        """num_pages: the shared pool's size; default max_slots x pages of max_model_len
+        (every slot can hold a full-length request). prefill_chunk: prompt tokens a
+        request prefills per step."""
         context = decoder.config.max_position_embeddings
         max_model_len = max_model_len or context
         if not isinstance(max_slots, int) or max_slots < 1:
@@ -137,23 +165,40 @@ class EngineCore:
         if max_model_len <= decoder.extra_capacity + 1:
             raise InputError(f"max_model_len {max_model_len} leaves no room for a prompt and "
                              f"the {decoder.extra_capacity}-token verify block")
+        per_slot = pages_needed(max_model_len, decoder.page_size)
+        num_pages = max_slots * per_slot if num_pages is None else num_pages
+        if not isinstance(num_pages, int) or num_pages < per_slot:
+            raise InputError(f"num_pages must be at least {per_slot} (one request of "
+                             f"max_model_len {max_model_len} in pages of {decoder.page_size}), "
+                             f"got {num_pages!r}")
+        if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise InputError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
         self.decoder = decoder
         self.max_slots = max_slots
         self.max_model_len = max_model_len
         self.max_waiting = max_waiting
+        self.prefill_chunk = prefill_chunk
         self.eos = tuple(int(t) for t in np.asarray(decoder.eos).tolist() if t >= 0)
+        self.preemptions = 0
         self._params = decoder.params()
+        self._pages = SlotPages(max_slots, num_pages, decoder.page_size, max_model_len)
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: dict[int, _Request] = {}      # slot -> request
         self._by_id: dict[str, _Request] = {}
-        self._aborted: list[_Request] = []           # waiting requests aborted since the step
-        self._free = list(range(max_slots))
+        self._aborted: list[_Request] = []           # aborted since the last step
+        self._released: list[int] = []               # slots to reset on the device
+        self._admissions = itertools.count()
         # Per-slot sampling settings, host side; sent with every decode call.
-        self._temperature = np.zeros((max_slots, 1), np.float32)
-        self._top_p = np.ones((max_slots, 1), np.float32)
-        self._top_k = np.zeros((max_slots, 1), np.int32)
+        self._temperature = np.zeros((max_slots,), np.float32)
+        self._top_p = np.ones((max_slots,), np.float32)
+        self._top_k = np.zeros((max_slots,), np.int32)
         self._ignore_eos = np.zeros((max_slots,), bool)
-        self._state = self._empty_state()
+        self._state = slot_steps.empty_state(decoder, self._pages.table, num_pages,
+                                             out_len=max_model_len)
+
+    @property
+    def num_pages(self) -> int:
+        return self._pages.num_pages
 
     # ----- the interface -------------------------------------------------------------------
     def check_request(self, prompt_token_ids: Sequence[int], options: SamplingOptions) -> None:
@@ -193,15 +238,15 @@ class EngineCore:
         self._by_id[request_id] = request
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request; its slot is free for the next step. The next `step` returns its
-        last output (finish_reason abort). False if the id is unknown or already done."""
+        """Stop a request; its slot and pages are free for the next step. The next `step`
+        returns its last output (finish_reason abort). False if unknown or already done."""
         request = self._by_id.pop(request_id, None)
         if request is None:
             return False
         if request.slot < 0:
             self._waiting.remove(request)
         else:
-            self._release(request, freeze=True)
+            self._release(request)
         self._aborted.append(request)
         return True
 
@@ -209,76 +254,156 @@ class EngineCore:
         return bool(self._waiting or self._running or self._aborted)
 
     def stats(self) -> EngineStats:
-        used = sum(len(r.prompt) + len(r.tokens) for r in self._running.values())
+        used = sum(r.cache_length() for r in self._running.values())
+        pages = self._pages
         return EngineStats(max_slots=self.max_slots, running=len(self._running),
                            waiting=len(self._waiting),
-                           capacity_tokens=self.max_slots * self.max_model_len,
-                           used_tokens=used)
+                           capacity_tokens=pages.num_pages * self.decoder.page_size,
+                           used_tokens=used, num_pages=pages.num_pages,
+                           free_pages=pages.free_pages, preemptions=self.preemptions)
 
     def step(self) -> list[RequestOutput]:
         outputs = [self._output(r, [], [], "abort") for r in self._aborted]
         self._aborted = []
-        admitted = self._admit()
-        if self._running and (len(admitted) < len(self._running)):
-            self._decode()           # fresh rows already hold their first token
+        self._grow()
+        self._admit()
+        decoding = [s for s, r in self._running.items() if r.decoding]
+        self._prefill()
+        if decoding:         # rows that just started hold their first token already
+            self._decode()
         if self._running:
             outputs += self._collect()
         return outputs
 
-    # ----- slots -------------------------------------------------------------------------
-    def _admit(self) -> list[_Request]:
-        group = []
-        while self._waiting and self._free:
-            request = self._waiting.popleft()
-            request.slot = self._free.pop(0)
-            group.append(request)
-        if not group:
-            return group
-        g = min(bucket(len(group), minimum=1), self.max_slots)
-        p = bucket(max(len(r.prompt) for r in group))
-        p = min(p, self.max_model_len)
-        tokens = np.zeros((g, 1, p), np.int32)
-        lengths = np.ones((g, 1), np.int32)
-        budget = np.ones((g, 1), np.int32)
+    # ----- pages and slots -----------------------------------------------------------------
+    def _decode_need(self, request: _Request) -> int:
+        """Positions a request needs before the next decode call."""
+        ahead = request.cache_length() + self.decoder.call_lookahead
+        if not request.decoding:
+            ahead = len(request.fill) + self.decoder.call_lookahead
+        return min(ahead, request.max_positions + self.decoder.extra_capacity)
+
+    def _grow(self) -> None:
+        """Every decoding request holds the pages of its next decode call; the newest
+        requests are preempted while the pool is short."""
+        for request in sorted(self._running.values(), key=lambda r: r.order):
+            if not request.decoding or request.slot < 0:
+                continue
+            need = self._decode_need(request)
+            while not self._pages.can_fit(request.slot, need):
+                victim = max(self._running.values(), key=lambda r: r.order)
+                self._preempt(victim)
+                if victim is request:
+                    break
+            else:
+                self._pages.resize(request.slot, need)
+
+    def _preempt(self, request: _Request) -> None:
+        """Free the request's slot and pages; it waits at the head of the queue and is
+        recomputed from its prompt and the tokens it emitted (the last one becomes the
+        anchor again), so nothing is emitted twice."""
+        self._release(request)
+        self._waiting.appendleft(request)
+        self.preemptions += 1
+
+    def _admit(self) -> None:
+        while self._waiting and self._pages.free_slots:
+            request = self._waiting[0]
+            # a preempted request recomputes its prompt and all but its last token
+            request.fill = request.prompt + request.tokens[:-1]
+            need = self._decode_need(request)
+            if not self._pages.can_fit(None, need):
+                break            # oldest first: the head waits for pages, no overtaking
+            self._waiting.popleft()
+            slot = self._pages.take(need)
+            request.slot, request.order = slot, next(self._admissions)
+            request.filled, request.decoding = 0, False
+            request.read, request.passes_read = len(request.tokens), 0
+            o = request.options
+            self._temperature[slot], self._top_p[slot] = o.temperature, o.top_p
+            self._top_k[slot], self._ignore_eos[slot] = o.top_k, o.ignore_eos
+            self._running[slot] = request
+
+    def _release(self, request: _Request) -> None:
+        slot = request.slot
+        del self._running[slot]
+        self._pages.release(slot)
+        self._temperature[slot], self._top_p[slot], self._top_k[slot] = 0.0, 1.0, 0
+        self._ignore_eos[slot] = False
+        self._released.append(slot)
+        request.slot, request.decoding = -1, False
+
+    def _flush_releases(self) -> None:
+        """Freeze released slots on the device (one call for all of them)."""
+        if not self._released:
+            return
+        slots = np.full((self.max_slots,), self.max_slots, np.int32)
+        slots[:len(self._released)] = self._released
+        self._released = []
+        self._state = slot_steps.compiled(self.decoder, "release")(self._state,
+                                                                   jnp.asarray(slots))
+
+    # ----- device calls --------------------------------------------------------------------
+    def _prefill(self) -> None:
+        """One chunk for every request still prefilling; those whose prompt is complete
+        start decoding."""
+        self._flush_releases()
+        rows = [r for r in self._running.values() if r.filled < len(r.fill)]
+        if not rows:
+            return
+        g = min(bucket(len(rows), minimum=1), self.max_slots)
+        t = min(bucket(max(len(r.fill) - r.filled for r in rows)), self.prefill_chunk)
+        s = self.max_slots
+        slots = np.full((g,), s, np.int32)             # padding rows aim at slot S
+        start_slots = np.full((g,), s, np.int32)
+        tokens = np.zeros((g, t), np.int32)
+        q_lens = np.zeros((g,), np.int32)
+        budget = np.ones((g,), np.int32)
         seeds = np.zeros((g,), np.uint32)
-        temperature = np.zeros((g, 1), np.float32)
-        top_p = np.ones((g, 1), np.float32)
-        top_k = np.zeros((g, 1), np.int32)
-        ignore = np.zeros((g,), bool)
-        slots = np.full((g,), self.max_slots, np.int32)   # padding rows are dropped
-        for i, r in enumerate(group):
+        temperature, top_p = np.zeros((g,), np.float32), np.ones((g,), np.float32)
+        top_k, ignore = np.zeros((g,), np.int32), np.zeros((g,), bool)
+        resume_token = np.full((g,), -1, np.int32)
+        resume_count = np.zeros((g,), np.int32)
+        for i, r in enumerate(rows):
+            chunk = r.fill[r.filled:r.filled + t]
+            slots[i], q_lens[i], tokens[i, :len(chunk)] = r.slot, len(chunk), chunk
+            r.filled += len(chunk)
+            if r.filled < len(r.fill):
+                continue
             o = r.options
-            tokens[i, 0, :len(r.prompt)] = r.prompt
-            lengths[i], budget[i], slots[i] = len(r.prompt), o.max_tokens, r.slot
+            start_slots[i], budget[i], seeds[i] = r.slot, o.max_tokens, r.seed % 2 ** 32
             temperature[i], top_p[i], top_k[i], ignore[i] = (o.temperature, o.top_p, o.top_k,
-                                                              o.ignore_eos)
-            seeds[i] = r.seed % (2 ** 32)
-            self._temperature[r.slot], self._top_p[r.slot] = o.temperature, o.top_p
-            self._top_k[r.slot], self._ignore_eos[r.slot] = o.top_k, o.ignore_eos
-            self._running[r.slot] = r
+                                                             o.ignore_eos)
+            if r.tokens:
+                resume_token[i], resume_count[i] = r.tokens[-1], len(r.tokens)
+            r.decoding = True
         # Prefill traces sampling even for greedy groups (argmax rows stay argmax): one
         # token per row costs little, and it halves the prefill variants to compile.
         sampling = SamplingParams(jnp.asarray(temperature), jnp.asarray(top_p),
                                   jnp.asarray(top_k), all_greedy=False)
-        self._state = self._prefill_fn()(self._params, self._state, jnp.asarray(tokens),
-                              jnp.asarray(lengths), jnp.asarray(budget), jnp.asarray(seeds),
-                              sampling, jnp.asarray(ignore), jnp.asarray(slots))
-        return group
+        self._state = slot_steps.compiled(self.decoder, "prefill")(
+            self._params, self._state, jnp.asarray(self._pages.table), jnp.asarray(slots),
+            jnp.asarray(tokens), jnp.asarray(q_lens), jnp.asarray(start_slots), sampling,
+            jnp.asarray(budget), jnp.asarray(seeds), jnp.asarray(ignore),
+            jnp.asarray(resume_token), jnp.asarray(resume_count))
 
     def _decode(self) -> None:
+        self._flush_releases()
         greedy = bool((self._temperature == 0).all())
         sampling = SamplingParams(jnp.asarray(self._temperature), jnp.asarray(self._top_p),
                                   jnp.asarray(self._top_k), all_greedy=greedy)
-        self._state = self._decode_fn()(self._params, self._state, sampling,
-                                              jnp.asarray(self._ignore_eos))
+        self._state = slot_steps.compiled(self.decoder, "decode")(
+            self._params, self._state, jnp.asarray(self._pages.table), sampling,
+            jnp.asarray(self._ignore_eos))
 
     def _collect(self) -> list[RequestOutput]:
         s = self._state
         num, done, output, passes, lengths = jax.device_get(
-            (s.num_generated[:, 0], s.done[:, 0], s.output[:, 0], s.num_passes[:, 0],
-             s.pass_lengths[:, 0]))
+            (s.num_generated, s.done, s.output, s.num_passes, s.pass_lengths))
         outputs = []
         for slot, r in list(self._running.items()):
+            if not r.decoding:
+                continue
             new = output[slot, r.read:num[slot]].tolist()
             accepted = lengths[slot, r.passes_read:passes[slot]].tolist()
             reason = None
@@ -294,19 +419,8 @@ class EngineCore:
             outputs.append(self._output(r, new, accepted, reason))
             if reason is not None:
                 self._by_id.pop(r.request_id, None)
-                # A stop token ends the row on the host: freeze it on the device too.
-                self._release(r, freeze=not done[slot])
+                self._release(r)
         return outputs
-
-    def _release(self, request: _Request, *, freeze: bool) -> None:
-        slot = request.slot
-        del self._running[slot]
-        self._temperature[slot], self._top_p[slot], self._top_k[slot] = 0.0, 1.0, 0
-        self._ignore_eos[slot] = False
-        if freeze:
-            self._state = self._freeze_fn()(self._state, jnp.asarray([slot], jnp.int32))
-        self._free.append(slot)
-        self._free.sort()
 
     @staticmethod
     def _output(r: _Request, new: list[int], accepted: list[int],
@@ -316,44 +430,10 @@ class EngineCore:
                              accept_lengths=accepted, prompt_tokens=len(r.prompt),
                              completion_tokens=len(r.tokens))
 
-    # ----- compiled pieces: the decoder's own prefill and step loop, per slot ------------
-    def _row_prefill(self, params, tokens, length, budget, seed, sampling, ignore):
-        return _row_prefill(self.decoder, self.max_model_len, params, tokens, length, budget,
-                            seed, sampling, ignore)
-
-    def _empty_state(self) -> DecodeState:
-        """S frozen (done) slots with the shapes a prefilled slot has."""
-        one = jax.eval_shape(
-            self._row_prefill, self._params, jnp.zeros((1, 16), jnp.int32),
-            jnp.ones((1,), jnp.int32), jnp.ones((1,), jnp.int32), jnp.uint32(0),
-            SamplingParams.create(1), jnp.asarray(False))
-
-        def zeros(leaf):
-            if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-                return jax.random.split(jax.random.key(0), (self.max_slots,) + leaf.shape)
-            return jnp.zeros((self.max_slots,) + leaf.shape, leaf.dtype)
-
-        state = jax.tree.map(zeros, one)
-        return state.replace(done=jnp.ones_like(state.done))
-
-    def _prefill_fn(self):
-        return _compiled(self.decoder, ("prefill", self.max_model_len), lambda: jax.jit(
-            functools.partial(_prefill, self.decoder, self.max_model_len),
-            donate_argnames=("state",)))
-
-    def _decode_fn(self):
-        return _compiled(self.decoder, ("decode",), lambda: jax.jit(
-            jax.vmap(functools.partial(_row_decode, self.decoder), in_axes=(None, 0, 0, 0)),
-            donate_argnames=("state",)))
-
-    def _freeze_fn(self):
-        return _compiled(self.decoder, ("freeze",), lambda: jax.jit(
-            _freeze, donate_argnames=("state",)))
-
     def warmup(self) -> float:
-        """Compile before serving: the decode loop (greedy and sampled) and the prefill of
-        one request and of a full set of slots, at the shortest prompt bucket (longer
-        buckets and other group sizes compile when first met). Returns seconds."""
+        """Compile before serving: the decode call (greedy and sampled) and the prefill of
+        one request and of a full set of slots, at the shortest chunk (longer chunks and
+        other group sizes compile when first met). Returns seconds."""
         t0 = time.perf_counter()
         n = max(1, min(8, self.max_model_len - self.decoder.extra_capacity - 2))
         for temperature, group in ((0.0, 1), (1.0, self.max_slots)):
@@ -362,51 +442,9 @@ class EngineCore:
                     max_tokens=2, temperature=temperature, seed=0, ignore_eos=True))
             while self.has_work():
                 self.step()
+        self.preemptions = 0
         return time.perf_counter() - t0
 
 
 class QueueFull(InputError):
     """The waiting queue is at its bound: the server answers 429."""
-
-
-
-# Compiled functions live with their decoder, not with one EngineCore: a server restarted
-# in-process (or several cores over one pipeline) compiles nothing twice. jax.jit keys
-# each on its input shapes (slots, group, prompt bucket) and on `all_greedy`.
-_COMPILED: "weakref.WeakKeyDictionary[BatchDecoder, dict]" = weakref.WeakKeyDictionary()
-
-
-def _compiled(decoder: BatchDecoder, key: tuple, make):
-    table = _COMPILED.setdefault(decoder, {})
-    if key not in table:
-        table[key] = make()
-    return table[key]
-
-
-def _row_prefill(decoder: BatchDecoder, capacity: int, params, tokens, length, budget, seed,
-                 sampling, ignore):
-    """One request as the decoder's batch of one: tokens [1, P] -> DecodeState (B = 1),
-    its caches a private page pool holding the slot's whole capacity (pages 0 .. PPS-1)."""
-    width = pages_needed(capacity, decoder.page_size)
-    caches = decoder.create_caches(np.arange(width, dtype=np.int32)[None], width)
-    return decoder._prefill_fn(params, tokens, length, caches, sampling, budget,
-                               jax.random.key(seed), ignore, capacity)
-
-
-def _prefill(decoder, capacity, params, state, tokens, lengths, budget, seeds, sampling,
-             ignore, slots):
-    """Prefill G requests [G, 1, P] (vmapped rows of one) and write them into `slots` [G]
-    of the S-slot state; rows aimed at slot S (padding) are dropped."""
-    row = jax.vmap(functools.partial(_row_prefill, decoder, capacity),
-                   in_axes=(None, 0, 0, 0, 0, 0, 0))
-    new = row(params, tokens, lengths, budget, seeds, sampling, ignore)
-    return jax.tree.map(lambda s, n: s.at[slots].set(n, mode="drop"), state, new)
-
-
-def _row_decode(decoder, params, state, sampling, ignore):
-    """The decoder's step loop (steps_per_call target passes) on one slot."""
-    return decoder._decode_fn(params, state, sampling, ignore, decoder.steps_per_call)
-
-
-def _freeze(state, slots):
-    return state.replace(done=state.done.at[slots].set(True))

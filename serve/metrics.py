@@ -31,11 +31,19 @@ class ServerMetrics:
         self.waiting = Gauge("dspine_num_requests_waiting", "Requests queued for a slot.",
                              registry=r)
         self.slots = Gauge("dspine_slots", "Slots (rows decoded together).", registry=r)
-        self.capacity = Gauge("dspine_cache_capacity_tokens", "KV positions reserved: "
-                              "slots x max_model_len.", registry=r)
+        self.capacity = Gauge("dspine_cache_capacity_tokens", "KV positions in the page "
+                              "pool (pages x page size).", registry=r)
         self.cache_used = Gauge("dspine_cache_used_tokens", "KV positions held by running "
                                 "requests.", registry=r)
-        self.cache_usage = Gauge("dspine_cache_usage_ratio", "Used / capacity.", registry=r)
+        self.pages = Gauge("dspine_cache_pages", "KV pages in the pool the slots share.",
+                           registry=r)
+        self.free_pages = Gauge("dspine_cache_free_pages", "KV pages held by no request.",
+                                registry=r)
+        self.cache_usage = Gauge("dspine_cache_usage_ratio", "Pages held / pages in the "
+                                 "pool.", registry=r)
+        self.preemptions = Counter("dspine_num_preemptions", "Requests preempted for KV "
+                                   "pages (recomputed later).", registry=r)
+        self._preemptions_seen = 0
         self.accept = Histogram("dspine_accept_length", "Tokens emitted per target pass "
                                 "(1 for AR; up to the drafter's block size).",
                                 buckets=tuple(range(1, max_accept + 1)), registry=r)
@@ -53,7 +61,14 @@ class ServerMetrics:
         self.slots.set(stats.max_slots)
         self.capacity.set(stats.capacity_tokens)
         self.cache_used.set(stats.used_tokens)
+        self.pages.set(stats.num_pages)
+        self.free_pages.set(stats.free_pages)
         self.cache_usage.set(stats.cache_usage)
+        # the engine counts from its start; the counter takes what is new since last time
+        new = stats.preemptions - self._preemptions_seen
+        if new > 0:
+            self.preemptions.inc(new)
+            self._preemptions_seen = stats.preemptions
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -15,7 +15,7 @@ import time
 import uvicorn
 
 from dspine_serve.app import create_app
-from dspine_serve.engine_core import EngineCore
+from dspine_serve.engine_core import DEFAULT_PREFILL_CHUNK, EngineCore
 from dspine_serve.engine_loop import EngineLoop
 
 log = logging.getLogger("dspine_serve")
@@ -35,9 +35,13 @@ class DrainingServer(uvicorn.Server):
 
 
 def build(pipeline, *, model_name: str, max_slots: int = 8, max_model_len: int | None = None,
-          max_queue: int = 256, warmup: bool = True):
-    """(app, engine) for a loaded `Pipeline`; compiles before returning when `warmup`."""
-    core = EngineCore(pipeline.decoder, max_slots=max_slots, max_model_len=max_model_len)
+          max_queue: int = 256, num_pages: int | None = None,
+          prefill_chunk: int = DEFAULT_PREFILL_CHUNK, warmup: bool = True):
+    """(app, engine) for a loaded `Pipeline`; compiles before returning when `warmup`.
+    num_pages: the KV page pool the slots share (default: a full max_model_len for
+    every slot); prefill_chunk: prompt tokens prefilled per step and request."""
+    core = EngineCore(pipeline.decoder, max_slots=max_slots, max_model_len=max_model_len,
+                      num_pages=num_pages, prefill_chunk=prefill_chunk)
     if warmup:
         seconds = core.warmup()
         log.info("compiled in %.1fs", seconds)
@@ -49,15 +53,18 @@ def build(pipeline, *, model_name: str, max_slots: int = 8, max_model_len: int |
 
 def run(pipeline, *, model_name: str, host: str = "127.0.0.1", port: int = 8000,
         max_slots: int = 8, max_model_len: int | None = None, max_queue: int = 256,
+        num_pages: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         grace_seconds: float = 30.0, log_level: str = "info") -> None:
     t0 = time.perf_counter()
     app, engine = build(pipeline, model_name=model_name, max_slots=max_slots,
-                        max_model_len=max_model_len, max_queue=max_queue)
+                        max_model_len=max_model_len, max_queue=max_queue,
+                        num_pages=num_pages, prefill_chunk=prefill_chunk)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=grace_seconds, lifespan="on",
                             access_log=False)
     server = DrainingServer(config, engine)
     print(f"serving {model_name} ({pipeline.method}, {max_slots} slots, context "
-          f"{engine.core.max_model_len}) on http://{host}:{port} after "
+          f"{engine.core.max_model_len}, {engine.core.num_pages} KV pages of "
+          f"{pipeline.decoder.page_size}) on http://{host}:{port} after "
           f"{time.perf_counter() - t0:.1f}s of compilation", flush=True)
     server.run()

@@ -113,6 +113,7 @@ def test_engine_core_equals_offline_generate(pipe, offline):
             assert accepted == ref.accept_lengths
     stats = core.stats()
     assert (stats.running, stats.waiting, stats.used_tokens) == (0, 0, 0)
+    assert stats.free_pages == stats.num_pages and stats.preemptions == 0
 
 
 def test_engine_core_abort_stop_tokens_and_checks(pipe, offline):
@@ -157,6 +158,98 @@ def test_seeded_request_is_the_same_alone_and_under_load(pipe):
                          SamplingOptions(max_tokens=5 + i, temperature=1.0))
     core.add_request("loaded", ids, options)
     assert drain(core)["loaded"][0] == alone
+
+
+@pytest.fixture(scope="module")
+def ar(pipe) -> Pipeline:
+    """The target alone: AR greedy is the independent T = 0 reference."""
+    return Pipeline.from_loaded(pipe.target)
+
+
+LONG = " ".join(["the quick brown fox jumps over the lazy dog"] * 12)   # > 100 tokens
+
+
+def test_admission_waits_for_pages_not_only_slots(pipe, ar):
+    """A pool of one full-length request's pages: long prompts are admitted as pages free
+    up, not as slots do; every output equals AR greedy, and every page comes back."""
+    per_slot = CONTEXT // pipe.decoder.page_size
+    core = EngineCore(pipe.decoder, max_slots=SLOTS, max_model_len=CONTEXT,
+                      num_pages=per_slot)
+    prompts = [pipe.encode(LONG + " " + w) for w in ("a", "b", "c", "d")]
+    assert all(len(p) > 100 for p in prompts)
+    for i, ids in enumerate(prompts):
+        core.add_request(f"r{i}", ids, SamplingOptions(max_tokens=16))
+    first = gather(core.step(), {})
+    stats = core.stats()
+    assert stats.running < 4 and stats.waiting > 0 and stats.free_slots > 0, stats
+    got = drain(core, first)
+    reference = ar.decoder.generate(prompts, max_new_tokens=16).generations
+    for i, ref in enumerate(reference):
+        assert got[f"r{i}"][0] == ref.tokens, i
+    stats = core.stats()
+    assert stats.free_pages == stats.num_pages == per_slot and stats.used_tokens == 0
+    with pytest.raises(InputError, match="num_pages"):
+        EngineCore(pipe.decoder, max_slots=2, max_model_len=CONTEXT, num_pages=per_slot - 1)
+
+
+def test_chunked_prefill_equals_offline_and_interleaves_with_decoding(pipe, ar):
+    """A prompt of 7 chunks prefills over 7 steps while a running request keeps decoding;
+    its output equals offline generate and AR greedy."""
+    core = EngineCore(pipe.decoder, max_slots=SLOTS, max_model_len=CONTEXT, prefill_chunk=16)
+    long_ids = pipe.encode(LONG)
+    assert 96 < len(long_ids) <= 112
+    core.add_request("short", pipe.encode(PLAIN[0]), SamplingOptions(max_tokens=120,
+                                                                     ignore_eos=True))
+    got = gather(core.step(), {})                     # short: prefilled, first token out
+    core.add_request("long", long_ids, SamplingOptions(max_tokens=24))
+    steps_before_first_token = 0
+    while "long" not in got:
+        before = len(got["short"][0])
+        gather(core.step(), got)
+        steps_before_first_token += 1
+        assert len(got["short"][0]) > before          # decoding went on meanwhile
+    assert steps_before_first_token == 7
+    got = drain(core, got)
+    offline = pipe.generate([LONG], max_new_tokens=24)[0]
+    assert got["long"][0] == offline.tokens
+    assert got["long"][0] == ar.decoder.generate([long_ids], max_new_tokens=24
+                                                 ).generations[0].tokens
+    assert core.stats().free_pages == core.num_pages
+
+
+@pytest.mark.parametrize("method", ["dspine", "ar"])
+def test_preemption_recomputes_requests_without_changing_them(pipe, ar, method):
+    """A pool far too small for every request at once (16 pages; the requests need 40 at
+    their end): the newest are preempted and recomputed, and still every T = 0 output
+    equals AR greedy, a seeded sampled request equals itself alone, nothing is emitted
+    twice, and every page comes back."""
+    decoder = pipe.decoder if method == "dspine" else ar.decoder
+    per_slot = CONTEXT // decoder.page_size
+    prompts = [pipe.encode(p) for p in PLAIN]
+    sampled = SamplingOptions(max_tokens=40, temperature=0.8, seed=99, ignore_eos=True)
+
+    alone = EngineCore(decoder, max_slots=SLOTS, max_model_len=CONTEXT)
+    alone.add_request("s", prompts[1], sampled)
+    alone_tokens = drain(alone)["s"][0]
+
+    core = EngineCore(decoder, max_slots=SLOTS, max_model_len=CONTEXT, num_pages=per_slot)
+    for i, ids in enumerate(prompts):
+        core.add_request(f"r{i}", ids, SamplingOptions(max_tokens=60, ignore_eos=True))
+    core.add_request("s", prompts[1], sampled)
+    got, peak = {}, 0
+    for _ in range(2000):
+        if not core.has_work():
+            break
+        gather(core.step(), got)
+        peak = max(peak, core.num_pages - core.stats().free_pages)
+    assert core.stats().preemptions > 0 and peak <= per_slot
+    reference = ar.decoder.generate(prompts, max_new_tokens=60, ignore_eos=True).generations
+    for i, ref in enumerate(reference):
+        tokens, reason, _ = got[f"r{i}"]
+        assert (tokens, reason) == (ref.tokens, "length"), i
+    assert got["s"][0] == alone_tokens and len(alone_tokens) == 40
+    stats = core.stats()
+    assert (stats.running, stats.waiting, stats.free_pages) == (0, 0, per_slot)
 
 
 def test_detokenizer_holds_back_stop_strings_and_partial_characters(pipe):
@@ -302,6 +395,7 @@ def test_64_concurrent_streaming_clients_match_offline(pipe, offline, served):
         assert usage["target_passes"] >= 1 and usage["mean_accept_length"] >= 1
     stats = wait_idle(served.url)
     assert stats["free_slots"] == SLOTS and stats["used_tokens"] == 0
+    assert stats["free_pages"] == stats["num_pages"] == SLOTS * CONTEXT // 16
     metrics = httpx.get(served.url + "/metrics").text
     assert "dspine_accept_length_count" in metrics
     assert "dspine_time_to_first_token_seconds_count" in metrics
@@ -337,7 +431,8 @@ def test_disconnect_mid_stream_frees_the_slot(served):
                     break                       # one chunk, then hang up
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(served.url + "/v1/completions", json=body, timeout=0.5)
-        wait_idle(served.url)
+        stats = wait_idle(served.url)
+    assert stats["free_pages"] == stats["num_pages"]       # the page count back to full
     metrics = httpx.get(served.url + "/metrics").text
     aborted = [line for line in metrics.splitlines()
                if line.startswith('dspine_requests_total{finish_reason="abort"}')]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dspine_jax import row_keys
 from dspine_jax.drafters import DEFAULT_PROPOSAL_KERNEL, PROPOSALS
 from dspine_jax.sampling import SamplingParams, top_k_indices
 from dspine_jax.speculative.propose import (CandidateProposal, Proposal, sample_dense,
@@ -133,7 +134,7 @@ class ChainProposer:
             q = jnp.zeros((b, vocab), jnp.float32).at[jnp.arange(b)[:, None], cands].set(probs)
             return choice, (token, q)
 
-        keys = jax.random.split(rng, s)
+        keys = row_keys.split(rng, s)                                     # [S] or [S, B]
         start = jnp.zeros((b,), jnp.int32)                                # the anchor
         _, (tokens, q) = jax.lax.scan(step, start, (jnp.moveaxis(table, 1, 0),
                                                     jnp.moveaxis(candidates, 1, 0), keys))

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from dspine_jax import row_keys
 from dspine_jax.sampling import (SamplingParams, first_argmax, greedy_rows_argmax,
                                  sample_categorical, warp_logits, warp_stats,
                                  warped_probability)
@@ -138,7 +139,7 @@ def sample_dense(logits: jax.Array, sampling: SamplingParams, rng: jax.Array):
     warped = warp_logits(logits, sampling)
     probs = jax.nn.softmax(warped, -1)
     greedy = jnp.argmax(logits, -1)
-    drawn = jax.random.categorical(rng, warped, axis=-1)
+    drawn = row_keys.categorical(rng, warped)
     hot = (sampling.temperature > 0).reshape((-1,) + (1,) * (logits.ndim - 2))
     choice = jnp.where(hot, drawn, greedy)
     probs = jnp.where(hot[..., None], probs, jax.nn.one_hot(greedy, logits.shape[-1]))
@@ -181,7 +182,7 @@ def walk_chain(table: jax.Array, candidates: jax.Array, sampling: SamplingParams
         choice, probs = sample_dense(given, sampling, key)
         return choice, (choice, probs)
 
-    keys = jax.random.split(rng, table.shape[1])
+    keys = row_keys.split(rng, table.shape[1])                          # [S] or [S, B]
     start = jnp.zeros((b,), jnp.int32)                                  # the anchor
     _, (choice, q) = jax.lax.scan(step, start, (jnp.moveaxis(table, 1, 0), keys))
     choice, q = jnp.moveaxis(choice, 0, 1), jnp.moveaxis(q, 0, 1)

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from dspine_jax import row_keys
 from dspine_jax.sampling import (SamplingParams, first_argmax, greedy_rows_argmax,
                                  sample_categorical, warp_stats, warped_probability)
 
@@ -50,8 +51,8 @@ def verify(draft_tokens: jax.Array, q: jax.Array, p: jax.Array, rng: jax.Array) 
     b, n = draft_tokens.shape
     p_draft = jnp.take_along_axis(p[:, :-1], draft_tokens[..., None], -1)[..., 0]
     q_draft = jnp.take_along_axis(q, draft_tokens[..., None], -1)[..., 0]
-    accept_key, sample_key = jax.random.split(rng)
-    u = jax.random.uniform(accept_key, (b, n))
+    accept_key, sample_key = row_keys.split(rng, 2)
+    u = row_keys.uniform(accept_key, (b, n))
     # u < p/q, written without division (q_draft > 0 for any token q could draft).
     kept = u * q_draft < p_draft
     num_accepted = jnp.sum(jnp.cumprod(kept.astype(jnp.int32), axis=1), axis=1)
@@ -60,7 +61,7 @@ def verify(draft_tokens: jax.Array, q: jax.Array, p: jax.Array, rng: jax.Array) 
     q_next = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], 1)[rows, num_accepted]
     all_kept = (num_accepted == n)[:, None]
     dist = jnp.where(all_kept, p_next, residual(p_next, q_next))
-    next_token = jax.random.categorical(sample_key, jnp.log(dist), axis=-1).astype(jnp.int32)
+    next_token = row_keys.categorical(sample_key, jnp.log(dist)).astype(jnp.int32)
     return Verdict(num_accepted=num_accepted.astype(jnp.int32), next_token=next_token)
 
 
@@ -85,8 +86,8 @@ def verify_logits(proposal, logits: jax.Array, sampling: SamplingParams,
     x_draft = jnp.take_along_axis(scaled[:, :-1], tokens[..., None], -1)[..., 0]
     p_draft = warped_probability(x_draft, tau[:, :-1], log_norm[:, :-1])
     q_draft = proposal.token_q()
-    accept_key, sample_key = jax.random.split(rng)
-    u = jax.random.uniform(accept_key, (b, n))
+    accept_key, sample_key = row_keys.split(rng, 2)
+    u = row_keys.uniform(accept_key, (b, n))
     hot = sampling.temperature > 0
     # u < p/q, written without division (q_draft > 0 for any token q could draft).
     kept = jnp.where(hot[:, None], u * q_draft < p_draft, greedy_kept)

@@ -72,7 +72,7 @@ def dspine_proposal(hidden, pre_injection, anchor, output_embedding,
       output_embedding: [V, D] the target's lm_head E_out.
       weights: the last layer's write, the final norm and the transfer map.
       temperature, top_p, top_k: [B] sampling settings (temperature 0: argmax).
-      rng: a key for the T > 0 draws.
+      rng: a key for the T > 0 draws, or [B] keys (one per row).
       num_candidates: C, static (clipped to V).
       eps: the final RMSNorm's epsilon.
       greedy: static; every row has temperature 0 (no warp is traced).

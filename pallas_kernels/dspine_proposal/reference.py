@@ -106,7 +106,8 @@ def warp_small(logits, temperature, top_p, top_k):
 def walk_chain(table, temperature, top_p, top_k, rng, *, greedy: bool):
     """table [B, S, C, C] (row: the predecessor candidate; slot 0's rows all given the
     anchor) -> (choice [B, S] candidate index, q [B, S, C]). Start at row 0 (the anchor);
-    each slot takes the row of the chosen predecessor. greedy (static): every row argmax."""
+    each slot takes the row of the chosen predecessor. greedy (static): every row argmax.
+    rng: one key, or [B] keys (row b draws from key b only)."""
     b, s, c, _ = table.shape
 
     def step(pred_index, inputs):
@@ -117,13 +118,20 @@ def walk_chain(table, temperature, top_p, top_k, rng, *, greedy: bool):
         if greedy:
             return best, (best, hot_best)
         warped = warp_small(given, temperature, top_p, top_k)
-        drawn = jax.random.categorical(key, warped, axis=-1).astype(jnp.int32)
+        if key.ndim == 0:
+            drawn = jax.random.categorical(key, warped, axis=-1).astype(jnp.int32)
+        else:   # one key per row: a row's draw does not depend on the batch
+            drawn = jax.vmap(lambda k, x: jax.random.categorical(k, x))(key, warped)
+            drawn = drawn.astype(jnp.int32)
         hot = (temperature > 0)[:, None]
         choice = jnp.where(hot[:, 0], drawn, best)
         q = jnp.where(hot, jax.nn.softmax(warped, -1), hot_best)
         return choice, (choice, q)
 
-    keys = jax.random.split(rng, s)
+    if rng.ndim == 0:
+        keys = jax.random.split(rng, s)                                 # [S]
+    else:
+        keys = jnp.swapaxes(jax.vmap(lambda k: jax.random.split(k, s))(rng), 0, 1)  # [S, B]
     _, (choice, q) = jax.lax.scan(step, jnp.zeros((b,), jnp.int32),
                                   (jnp.moveaxis(table, 1, 0), keys))
     return jnp.moveaxis(choice, 0, 1), jnp.moveaxis(q, 0, 1)

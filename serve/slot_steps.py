@@ -1,0 +1,81 @@
+"""The engine core's compiled calls over its slots: one `DecodeState` of S rows whose
+caches (target KV, drafter context) share one page pool, driven through the decoder's
+public step API (`prefill`, `start`, `decode`).
+
+  prefill_rows   one prefill chunk for G slots; slots whose prompt is then complete start
+                 decoding (first token sampled, or a preempted request's anchor taken back)
+  decode_rows    one decode call (steps_per_call target passes) over all S slots
+  release_rows   slots stop: done, cache lengths 0 (their pages go back to the pool)
+
+The page table lives on the host (`slots.SlotPages`) and comes with every call, so a row's
+growth, preemption or release never recompiles anything. Compiled functions live with their
+decoder, not with one EngineCore: a server restarted in-process (or several cores over one
+pipeline) compiles nothing twice; jax.jit keys each on its shapes (G, T) and on
+`SamplingParams.all_greedy`.
+
+Shape legend: S slots, G rows in a prefill call, T prefill chunk, PPS pages per slot,
+V vocab.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import jax
+import jax.numpy as jnp
+
+from dspine_jax.decoding import BatchDecoder, DecodeState, request_keys
+
+_COMPILED: "weakref.WeakKeyDictionary[BatchDecoder, dict]" = weakref.WeakKeyDictionary()
+
+
+def compiled(decoder: BatchDecoder, name: str):
+    """The jitted `name` call of this decoder (state donated)."""
+    table = _COMPILED.setdefault(decoder, {})
+    if name not in table:
+        fn = {"prefill": prefill_rows, "decode": decode_rows, "release": release_rows}[name]
+        table[name] = jax.jit(functools.partial(fn, decoder) if name != "release" else fn,
+                              donate_argnames=("state",))
+    return table[name]
+
+
+def empty_state(decoder: BatchDecoder, page_table, num_pages: int, out_len: int) -> DecodeState:
+    """S idle slots over one pool of num_pages pages; page_table [S, PPS] (all out of range
+    while no slot holds pages)."""
+    return decoder.empty_state(decoder.create_caches(page_table, num_pages), out_len)
+
+
+def prefill_rows(decoder: BatchDecoder, params, state: DecodeState, page_table, slots, tokens,
+                 q_lens, start_slots, sampling, budget, seeds, ignore_eos, resume_token,
+                 resume_count) -> DecodeState:
+    """Write tokens [G, T] (q_lens [G] real ones) after what slots [G] hold, then start
+    start_slots [G] (S where a row's prompt is not complete yet, or padding). Padding
+    rows aim at slot S: they read an out-of-range page table row and write nothing."""
+    caches = decoder.with_page_table(state.caches, page_table)
+    pick = lambda x, fill: x.at[slots].get(mode="fill", fill_value=fill)  # noqa: E731
+    # the G rows' view of the shared pools: [G, PPS] page tables, [G] lengths
+    rows = tuple(c.replace(page_table=pick(c.page_table, c.num_pages),
+                           lengths=pick(c.lengths, 0)) for c in caches)
+    logits, rows = decoder.prefill(params, tokens, q_lens, rows)
+    caches = tuple(c.replace(k_pages=r.k_pages, v_pages=r.v_pages,
+                             lengths=c.lengths.at[slots].set(r.lengths, mode="drop"))
+                   for c, r in zip(caches, rows))
+    # a served request samples as row 0 of an offline batch with its seed
+    keys = request_keys(seeds, jnp.zeros_like(seeds))
+    return decoder.start(state.replace(caches=caches), start_slots, logits, sampling, budget,
+                         keys, ignore_eos, resume_token, resume_count)
+
+
+def decode_rows(decoder: BatchDecoder, params, state: DecodeState, page_table, sampling,
+                ignore_eos) -> DecodeState:
+    """steps_per_call target passes over every slot (idle and prefilling slots are done)."""
+    state = state.replace(caches=decoder.with_page_table(state.caches, page_table))
+    return decoder.decode(params, state, sampling, ignore_eos, decoder.steps_per_call)
+
+
+def release_rows(state: DecodeState, slots) -> DecodeState:
+    """slots [S] (S: padding) stop: done, and their caches empty for the next request."""
+    caches = tuple(c.replace(lengths=c.lengths.at[slots].set(0, mode="drop"))
+                   for c in state.caches)
+    return state.replace(done=state.done.at[slots].set(True, mode="drop"), caches=caches)
