@@ -22,8 +22,9 @@ Every step:
      still prefilling, so long prompts take several steps while the others keep
      decoding; a request whose prompt is complete starts: its first token is sampled
      (a preempted one takes its last emitted token back as the anchor);
-  5. one decode call (`steps_per_call` target passes) runs if any slot was decoding
-     (idle and prefilling slots are frozen rows; no call at all when none decodes);
+  5. one decode call (`steps_per_call` target passes) runs over the decoding slots
+     alone, gathered into a power-of-two number of rows (idle and prefilling slots are
+     not computed; no call at all when none decodes);
   6. new tokens are read back; finished requests free their slots and pages.
 
 Rows never mix: per-row sampling parameters, and one RNG key per row folded with the
@@ -32,7 +33,7 @@ a preemption. Stop token ids and EOS end a request here (the EOS is kept in its 
 as the library does); stop strings need text and are applied by the server on
 detokenized output (it then calls `abort`).
 
-Shape legend: S slots, G rows in a prefill call, T prefill chunk, N output buffer
+Shape legend: S slots, R rows in a decode call, G rows in a prefill call, T prefill chunk, N output buffer
 (max_model_len).
 """
 
@@ -388,13 +389,21 @@ class EngineCore:
             jnp.asarray(resume_token), jnp.asarray(resume_count))
 
     def _decode(self) -> None:
+        """One decode call over the decoding slots only, padded to a power-of-two count."""
         self._flush_releases()
-        greedy = bool((self._temperature == 0).all())
-        sampling = SamplingParams(jnp.asarray(self._temperature), jnp.asarray(self._top_p),
-                                  jnp.asarray(self._top_k), all_greedy=greedy)
+        decoding = sorted(s for s, r in self._running.items() if r.decoding)
+        r = min(bucket(len(decoding), minimum=1), self.max_slots)
+        slots = np.full((r,), self.max_slots, np.int32)       # padding rows aim at slot S
+        slots[:len(decoding)] = decoding
+        pick = lambda x, fill: np.where(slots < self.max_slots,  # noqa: E731
+                                        x[np.minimum(slots, self.max_slots - 1)], fill)
+        temperature = pick(self._temperature, 0.0)
+        sampling = SamplingParams(jnp.asarray(temperature), jnp.asarray(pick(self._top_p, 1.0)),
+                                  jnp.asarray(pick(self._top_k, 0)),
+                                  all_greedy=bool((temperature == 0).all()))
         self._state = slot_steps.compiled(self.decoder, "decode")(
-            self._params, self._state, jnp.asarray(self._pages.table), sampling,
-            jnp.asarray(self._ignore_eos))
+            self._params, self._state, jnp.asarray(self._pages.table), jnp.asarray(slots),
+            sampling, jnp.asarray(pick(self._ignore_eos, False)))
 
     def _collect(self) -> list[RequestOutput]:
         s = self._state
@@ -431,12 +440,14 @@ class EngineCore:
                              completion_tokens=len(r.tokens))
 
     def warmup(self) -> float:
-        """Compile before serving: the decode call (greedy and sampled) and the prefill of
-        one request and of a full set of slots, at the shortest chunk (longer chunks and
-        other group sizes compile when first met). Returns seconds."""
+        """Compile before serving: the decode call at every row bucket (1, 2, 4 ...
+        max_slots), greedy and sampled, and the prefill of as many requests at the shortest
+        chunk (longer chunks compile when first met). Returns seconds."""
         t0 = time.perf_counter()
         n = max(1, min(8, self.max_model_len - self.decoder.extra_capacity - 2))
-        for temperature, group in ((0.0, 1), (1.0, self.max_slots)):
+        groups = sorted({min(bucket(g, minimum=1), self.max_slots)
+                         for g in range(1, self.max_slots + 1)})
+        for temperature, group in itertools.product((0.0, 1.0), groups):
             for i in range(group):
                 self.add_request(f"__warmup_{temperature}_{i}", [0] * n, SamplingOptions(
                     max_tokens=2, temperature=temperature, seed=0, ignore_eos=True))

@@ -4,7 +4,8 @@ public step API (`prefill`, `start`, `decode`).
 
   prefill_rows   one prefill chunk for G slots; slots whose prompt is then complete start
                  decoding (first token sampled, or a preempted request's anchor taken back)
-  decode_rows    one decode call (steps_per_call target passes) over all S slots
+  decode_rows    one decode call (steps_per_call target passes) over the R decoding
+                 slots, gathered into R rows (a power-of-two bucket) and scattered back
   release_rows   slots stop: done, cache lengths 0 (their pages go back to the pool)
 
 The page table lives on the host (`slots.SlotPages`) and comes with every call, so a row's
@@ -13,7 +14,7 @@ decoder, not with one EngineCore: a server restarted in-process (or several core
 pipeline) compiles nothing twice; jax.jit keys each on its shapes (G, T) and on
 `SamplingParams.all_greedy`.
 
-Shape legend: S slots, G rows in a prefill call, T prefill chunk, PPS pages per slot,
+Shape legend: S slots, R decoding rows in a decode call (bucketed), G rows in a prefill call, T prefill chunk, PPS pages per slot,
 V vocab.
 """
 
@@ -67,11 +68,45 @@ def prefill_rows(decoder: BatchDecoder, params, state: DecodeState, page_table, 
                          keys, ignore_eos, resume_token, resume_count)
 
 
-def decode_rows(decoder: BatchDecoder, params, state: DecodeState, page_table, sampling,
-                ignore_eos) -> DecodeState:
-    """steps_per_call target passes over every slot (idle and prefilling slots are done)."""
-    state = state.replace(caches=decoder.with_page_table(state.caches, page_table))
-    return decoder.decode(params, state, sampling, ignore_eos, decoder.steps_per_call)
+def decode_rows(decoder: BatchDecoder, params, state: DecodeState, page_table, slots,
+                sampling, ignore_eos) -> DecodeState:
+    """steps_per_call target passes over the R slots [R] that are decoding (padding: S);
+    the other slots are not computed. The R rows' own fields are gathered into a state of
+    R rows over the same page pools and scattered back after the call, so a step costs
+    what R rows cost, and R, a power of two, compiles a handful of shapes."""
+    caches = decoder.with_page_table(state.caches, page_table)
+    num_slots = state.done.shape[0]
+    real = slots < num_slots
+    take = jnp.minimum(slots, num_slots - 1)
+
+    def gather(x):
+        return jnp.take(x, take, axis=0)
+
+    # padding rows are done, read no page and write none (out-of-range page ids)
+    rows = tuple(c.replace(page_table=jnp.where(real[:, None], gather(c.page_table),
+                                                c.num_pages),
+                           lengths=jnp.where(real, gather(c.lengths), 0)) for c in caches)
+    sub = state.replace(
+        caches=rows, last_token=gather(state.last_token), output=gather(state.output),
+        num_generated=gather(state.num_generated), done=gather(state.done) | ~real,
+        budget=gather(state.budget), pass_lengths=gather(state.pass_lengths),
+        num_passes=gather(state.num_passes), rng=gather(state.rng))
+    sub = decoder.decode(params, sub, sampling, ignore_eos, decoder.steps_per_call)
+
+    def scatter(full, part):
+        return full.at[slots].set(part, mode="drop")
+
+    caches = tuple(c.replace(k_pages=r.k_pages, v_pages=r.v_pages,
+                             lengths=scatter(c.lengths, r.lengths))
+                   for c, r in zip(caches, sub.caches))
+    return state.replace(
+        caches=caches, last_token=scatter(state.last_token, sub.last_token),
+        output=scatter(state.output, sub.output),
+        num_generated=scatter(state.num_generated, sub.num_generated),
+        done=scatter(state.done, sub.done), budget=scatter(state.budget, sub.budget),
+        pass_lengths=scatter(state.pass_lengths, sub.pass_lengths),
+        num_passes=scatter(state.num_passes, sub.num_passes),
+        rng=scatter(state.rng, sub.rng))
 
 
 def release_rows(state: DecodeState, slots) -> DecodeState:
