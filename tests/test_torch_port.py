@@ -20,7 +20,7 @@ import transformers
 
 from dspine_torch import DFlashDraftModel, DSpineDraftModel, load_drafter
 from dspine_torch.modeling_dspine import warp_logits
-from dspine_torch.speculative import Sampling, generate, residual, verify
+from dspine_torch.speculative import Sampling, generate, generate_batch, residual, verify
 from dspine_torch.stages import torch_stages
 from tests.torch_port_golden import (FIXTURES, KINDS, MAX_NEW_TOKENS, PROMPTS, Q_TEMPERATURE,
                                      TARGET, unpack)
@@ -98,6 +98,84 @@ def test_greedy_speculative_decoding_is_the_targets_greedy_decoding(target, kind
     gen = generate(model, drafter, prompt, max_new_tokens=20, ignore_eos=True)
     assert gen.tokens == reference[0, len(prompt):].tolist()
     assert sum(gen.accept_lengths) == 19 and all(1 <= n <= 5 for n in gen.accept_lengths)
+
+
+# Ragged prompts: two lengths of the same text, a short one, a long one.
+BATCH_PROMPTS = [PROMPTS[0], PROMPTS[1], PROMPTS[0][:3], PROMPTS[2] + [5, 9, 11, 40]]
+
+
+def hf_greedy(model, prompt, n):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                             min_new_tokens=n, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_batched_greedy_decoding_is_each_rows_greedy_decoding(target, kind):
+    """Rows of different lengths accept different counts every step (holes in the padded
+    cache, per-row positions) and finish at different steps (an EOS, then the budget):
+    each row is transformers' own greedy decoding of its prompt alone, and the batch-of-
+    one loop's."""
+    drafter = load_drafter(FIXTURES / kind)
+    refs = [hf_greedy(target, p, 20) for p in BATCH_PROMPTS]
+    eos = refs[1][6]                         # row 1 stops early, the others may too
+    gens = generate_batch(target, drafter, BATCH_PROMPTS, max_new_tokens=20,
+                          eos_token_ids=[eos])
+    for prompt, ref, gen in zip(BATCH_PROMPTS, refs, gens):
+        want = ref[:ref.index(eos) + 1] if eos in ref else ref
+        assert gen.tokens == want
+        assert sum(gen.accept_lengths) == len(want) - 1
+        assert gen == generate(target, drafter, prompt, max_new_tokens=20,
+                               eos_token_ids=[eos])
+    assert len(gens[1].tokens) < 20 and len({len(g.accept_lengths) for g in gens}) > 1
+    assert max(max(g.accept_lengths) for g in gens) > 1
+
+
+def test_batched_greedy_decoding_on_a_llama_target():
+    model = llama_target()
+    drafter = load_drafter(FIXTURES / "dspine")
+    gens = generate_batch(model, drafter, BATCH_PROMPTS, max_new_tokens=12, ignore_eos=True)
+    assert [g.tokens for g in gens] == [hf_greedy(model, p, 12) for p in BATCH_PROMPTS]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_batched_sampling_draws_each_rows_own_numbers(target, kind):
+    """T > 0: row i of a batch is the batch-of-one run with row i's seed (its draws come
+    from its own generator, whatever else is in the batch)."""
+    drafter = load_drafter(FIXTURES / kind)
+    sampling = Sampling(temperature=0.9, top_p=0.9, top_k=20)
+    gens = generate_batch(target, drafter, BATCH_PROMPTS, max_new_tokens=14,
+                          sampling=sampling, seeds=[7, 8, 9, 10])
+    for i, prompt in enumerate(BATCH_PROMPTS):
+        assert gens[i] == generate(target, drafter, prompt, max_new_tokens=14,
+                                   sampling=sampling, seed=7 + i)
+    assert len({tuple(g.tokens) for g in gens[:2]}) == 2
+
+
+def test_batched_sampling_follows_p(target):
+    """The second token of many sampled rows of one prompt (the first verify pass:
+    an accepted draft, or the residual/bonus draw) is distributed as the target's
+    marginal sum_a p(a | prompt) p(v | prompt, a) under the same warp. 3000 rows."""
+    drafter = load_drafter(FIXTURES / "dspine")
+    sampling = Sampling(temperature=1.0, top_p=0.95, top_k=30)
+    rows = 3000
+    prompt = PROMPTS[0]
+    gens = generate_batch(target, drafter, [prompt] * rows, max_new_tokens=3,
+                          sampling=sampling, seed=11)
+    vocab = TARGET["vocab_size"]
+    counts = np.bincount([g.tokens[1] for g in gens], minlength=vocab)
+    with torch.no_grad():
+        first = sampling.probabilities(target(torch.tensor([prompt])).logits[0, -1])
+        grid = torch.cat([torch.tensor([prompt] * vocab), torch.arange(vocab)[:, None]], 1)
+        second = sampling.probabilities(target(grid).logits[:, -1])               # [V, V]
+    marginal = (first @ second).numpy()
+    freq = counts / rows
+    sigma = np.sqrt(marginal * (1 - marginal) / rows) + 1e-12
+    assert np.all(np.abs(freq - marginal) <= 4 * sigma + 1e-9), np.abs(freq - marginal).max()
+    # Some rows kept the first draft (the accept path ran), some did not (the residual).
+    drafted = sum(g.accept_lengths[0] >= 2 for g in gens)
+    assert 0 < drafted < rows
 
 
 def test_speculative_sampling_follows_p():
