@@ -69,3 +69,109 @@ def test_the_draft_model_registers_where_sglang_dflash_imports():
     cls = ModelRegistry.models["DSpineDraftModel"]
     assert cls.__name__ == "DSpineDraftModel"
     assert issubclass(cls, sglang.srt.models.dflash.DFlashDraftModel)
+
+
+# ----- the walk at T > 0: each row's full warp, as the kernels' reference ----------------------
+def _lattice(seed: int, b: int = 6, s: int = 5, c: int = 8, vocab: int = 50):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(b, s, c, c, generator=g) * 2
+    scores[:, 0] = scores[:, 0, :1]                  # slot 0 scores from the anchor only
+    candidates = torch.stack([torch.randperm(vocab, generator=g)[:c] for _ in range(b * s)])
+    return scores, candidates.reshape(b, s, c), torch.rand(b, s, generator=g)
+
+
+def test_the_walk_warps_q_as_the_kernels_reference():
+    """Per row (its own temperature, top_p, top_k; greedy rows), the plugin's walk draws
+    the tokens and q of `dspine_proposal.reference.chain_walk` at the same uniforms."""
+    import torch
+
+    from dspine_torch.kernels.dspine_proposal import reference
+    from dspine_torch.sglang_plugin import selector_walk
+
+    scores, candidates, u = _lattice(0)
+    params = [(0.7, 0.9, 0), (1.0, 1.0, 3), (1.3, 0.5, 5), (0.9, 1.0, 0), (1.0, 1.0, 1 << 30),
+              (1.0, 1.0, 1)]                           # the last: SGLang's greedy (top_k 1)
+    temps = torch.tensor([t for t, _, _ in params])
+    top_ps = torch.tensor([p for _, p, _ in params])
+    top_ks = torch.tensor([k for _, _, k in params])
+    greedy = top_ks <= 1
+    tokens, q = selector_walk(candidates, scores, u, temps, greedy, top_ps, top_ks)
+    for i, (t, p, k) in enumerate(params):
+        want = reference.chain_walk(scores[i:i + 1], candidates[i:i + 1], 0.0 if greedy[i]
+                                    else t, p, min(k, 8), u[i:i + 1])
+        assert torch.equal(tokens[i], want[0][0]), i
+        torch.testing.assert_close(q[i], want[1][0], atol=1e-6, rtol=0)
+    # top-k and top-p zero out q where the target's warp zeroes p
+    assert int((q[1] > 0).sum(-1).max()) <= 3 and int((q[2] > 0).sum(-1).max()) <= 5
+    assert bool((q[5].sum(-1) == 1).all()) and int((q[5] > 0).sum()) == q.shape[1]
+
+
+def test_the_walk_would_differ_with_temperature_only():
+    """The check above can fail: a temperature-only walk (SGLang's own) puts q mass
+    outside the top-k / top-p set."""
+    import torch
+
+    from dspine_torch.sglang_plugin import selector_walk
+
+    scores, candidates, u = _lattice(1, b=2)
+    temps, greedy = torch.ones(2), torch.zeros(2, dtype=torch.bool)
+    warped = selector_walk(candidates, scores, u, temps, greedy, torch.tensor([1.0, 0.5]),
+                           torch.tensor([2, 0]))
+    plain = selector_walk(candidates, scores, u, temps, greedy, torch.ones(2),
+                          torch.zeros(2, dtype=torch.long))
+    assert not torch.allclose(warped[1], plain[1])
+    assert int((warped[1][0] > 0).sum(-1).max()) <= 2 < int((plain[1][0] > 0).sum(-1).min())
+
+
+def test_the_worker_stages_top_p_and_top_k_where_sglang_stages_temperatures():
+    """The worker glue, against stand-ins for SGLang's DFlash worker and graph sampler
+    (the real ones need SGLang's CUDA-side dependencies)."""
+    import types
+
+    import torch
+
+    from dspine_torch.sglang_plugin import RowWarp, worker_class
+
+    class Selector:
+        def __init__(self):
+            self.warp = RowWarp()
+
+        def reserve(self, rows, device):
+            self.warp.reserve(rows, device)
+
+        def stage_warp(self, bs, sampling_info):
+            self.warp.stage(bs, sampling_info, "cpu")
+
+    class GraphSampler:
+        temperatures = torch.ones(8)
+        staged = None
+
+        def stage_sampling_params(self, *, bs, sampling_info):
+            self.staged = bs
+
+    class Base:
+        def __init__(self):
+            self.selector = Selector()
+
+        def _propose_selector_block(self, *, bs, sampling_info, **kwargs):
+            return self.selector.warp.rows(bs, "cpu")
+
+        def _maybe_build_draft_sampler(self):
+            return GraphSampler()
+
+    worker = worker_class(Base)()
+    info = types.SimpleNamespace(top_ps=torch.tensor([0.5, 0.9, 1.0]),
+                                 top_ks=torch.tensor([4, 1 << 30, 2], dtype=torch.int32))
+    top_ps, top_ks = worker._propose_selector_block(bs=3, sampling_info=info,
+                                                    draft_logits_output=None)
+    assert top_ps.tolist() == [0.5, 0.8999999761581421, 1.0] and top_ks.tolist() == [4, 1 << 30, 2]
+    sampler = worker._maybe_build_draft_sampler()
+    buffer = worker.selector.warp.top_ps
+    assert buffer.shape[0] == 8                          # reserved for the largest graph
+    sampler.stage_sampling_params(bs=2, sampling_info=info)
+    assert sampler.staged == 2 and worker.selector.warp.top_ps is buffer   # same address
+    assert buffer[:2].tolist() == [0.5, 0.8999999761581421]
+    sampler.stage_sampling_params(bs=2, sampling_info=None)
+    assert buffer[:2].tolist() == [1.0, 1.0] and worker.selector.warp.top_ks[:2].tolist() == [0, 0]
