@@ -175,3 +175,108 @@ def test_the_worker_stages_top_p_and_top_k_where_sglang_stages_temperatures():
     assert buffer[:2].tolist() == [0.5, 0.8999999761581421]
     sampler.stage_sampling_params(bs=2, sampling_info=None)
     assert buffer[:2].tolist() == [1.0, 1.0] and worker.selector.warp.top_ks[:2].tolist() == [0, 0]
+
+
+# ----- the export against SGLang's own DFlash config parser ------------------------------------
+PARSER = "parse_dflash_draft_config"
+
+
+def _sglang_dflash_parser():
+    """SGLang's `parse_dflash_draft_config` (sglang/srt/speculative/dflash_utils.py), run
+    from SGLang's own source. That module imports SGLang's CUDA-side kernels at the top,
+    so where it does not import, its file is loaded narrowly: the parser and the
+    top-level definitions it reaches (plain Python and standard-library imports only),
+    executed as written. Nothing of the parser is re-implemented here."""
+    import ast
+    import importlib.util
+    import sys
+
+    try:
+        from sglang.srt.speculative import dflash_utils
+        return getattr(dflash_utils, PARSER)
+    except ImportError:
+        pass
+    except Exception as e:
+        pytest.skip(f"sglang's dflash_utils fails to import ({type(e).__name__}: {e})")
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("sglang is not installed: the export's config cannot be checked against "
+                    "SGLang's DFlash config parser")
+    from pathlib import Path
+
+    path = Path(list(spec.submodule_search_locations)[0]) / "srt/speculative/dflash_utils.py"
+    if not path.is_file():
+        pytest.skip(f"this sglang has no {path.name}: its DFlash config parser moved")
+    tree = ast.parse(path.read_text())
+    defined = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            defined[node.name] = node
+        elif isinstance(node, ast.Assign):
+            for t in node.targets:
+                if isinstance(t, ast.Name):
+                    defined[t.id] = node
+    if PARSER not in defined:
+        pytest.skip(f"{path} has no {PARSER}: SGLang's DFlash config parser moved")
+    needed, todo = set(), [PARSER]
+    while todo:
+        name = todo.pop()
+        if name in needed or name not in defined:
+            continue
+        needed.add(name)
+        todo += [n.id for n in ast.walk(defined[name]) if isinstance(n, ast.Name)]
+    keep = [node for node in tree.body if node in {defined[n] for n in needed}]
+    stdlib = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
+              and all((a.name if isinstance(node, ast.Import) else node.module or "")
+                      .split(".")[0] in sys.stdlib_module_names | {"__future__"}
+                      for a in node.names)]
+    import types
+
+    module = types.ModuleType("sglang_dflash_config_parser")   # dataclasses look it up
+    module.__file__ = str(path)
+    sys.modules[module.__name__] = module
+    try:
+        exec(compile(ast.Module(body=stdlib + keep, type_ignores=[]), str(path), "exec"),
+             module.__dict__)
+    except Exception as e:
+        pytest.skip(f"SGLang's DFlash config parser does not load without its CUDA-side "
+                    f"imports ({type(e).__name__}: {e})")
+    finally:
+        sys.modules.pop(module.__name__, None)
+    namespace = module.__dict__
+    return namespace[PARSER]
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspine"])
+def test_sglang_reads_the_exported_config_as_our_drafter(tmp_path, kind):
+    """`dspine export --format dflash-hf` writes a config.json from which SGLang's DFLASH
+    algorithm (and the DSPINE plugin, which reuses it) reads the drafter we built: layer
+    count, block size, the target layers whose outputs it reads, the mask token."""
+    import json
+
+    parse = _sglang_dflash_parser()
+    from typer.testing import CliRunner
+
+    from dspine_jax.cli import app
+    from dspine_torch import load_drafter
+    from tests.torch_port_golden import FIXTURES, TARGET
+
+    out = tmp_path / "export"
+    result = CliRunner().invoke(app, ["export", "--drafter", str(FIXTURES / kind), "--out",
+                                      str(out), "--target", str(FIXTURES / "target"),
+                                      "--dtype", "f32"])
+    assert result.exit_code == 0, result.output
+    raw = json.loads((out / "config.json").read_text())
+    ours = load_drafter(out).config
+    theirs = parse(draft_hf_config=raw)
+    assert theirs.num_hidden_layers == ours.num_hidden_layers
+    assert theirs.num_target_layers == TARGET["num_hidden_layers"]
+    assert theirs.resolve_block_size() == ours.block_size
+    assert theirs.target_layer_ids == list(ours.target_layer_ids)
+    # SGLang checks the ids against the target and uses them as given (no default spread).
+    assert theirs.resolve_target_layer_ids(
+        target_num_layers=TARGET["num_hidden_layers"],
+        draft_num_layers=ours.num_hidden_layers) == list(ours.target_layer_ids)
+    # The mask is an id of the target's vocabulary, so SGLang adds no mask token.
+    assert theirs.mask_token_id == ours.mask_token_id
+    assert not theirs.is_domino
