@@ -402,19 +402,81 @@ def test_parity_comparison_fails_on_drift():
     assert failed == {"draft_logits", "tokens", "token_disagreement"}
 
 
-def test_bf16_tolerances_scale_the_float32_noise_floor():
-    """bf16 is judged against the float32 pair of the same prompt: a stage's tolerance is
-    that pair's max difference times 2^16 (u_bf16 / u_f32), never a hand-set number."""
-    from dspine_jax.parity import BF16_OVER_F32, F32_ULP, compare
+def test_bf16_tolerance_is_the_two_noise_floors_plus_the_f32_tolerance():
+    """bf16 is judged by each side's own bf16-vs-f32 distance (its noise floor), never a
+    hand-set number: tolerance = floor_jax + floor_torch + the float32 tolerance."""
+    from dspine_jax.parity import TOLERANCES, compare
 
     reference = unpack(golden("dspine"), 0)
-    with pytest.raises(ValueError, match="noise floor"):
+    with pytest.raises(ValueError, match="noise floors"):
         compare(reference, reference, "bfloat16")
-    floor = {"draft_logits": 1e-5, "features": 0.0}
-    drifted = {**reference, "draft_logits": reference["draft_logits"] + 0.9e-5 * BF16_OVER_F32,
-               "features": reference["features"] + 0.5}
-    rows = {r.stage: r for r in compare(reference, drifted, "bfloat16", floor)}
-    assert rows["draft_logits"].ok and rows["draft_logits"].tolerance == 1e-5 * BF16_OVER_F32
-    scale = float(np.max(np.abs(reference["features"])))
-    assert rows["features"].tolerance == pytest.approx(F32_ULP * scale * BF16_OVER_F32)
-    assert not rows["features"].ok
+    floors = ({"draft_logits": 0.2, "tokens": 1.0}, {"draft_logits": 0.1, "tokens": 0.0})
+    tokens = reference["tokens"].copy()
+    tokens[-1] += 1
+    drifted = {**reference, "draft_logits": reference["draft_logits"] + 0.29, "tokens": tokens}
+    rows = {r.stage: r for r in compare(reference, drifted, "bfloat16", floors)}
+    f32 = TOLERANCES["float32"]["draft_logits"]
+    assert rows["draft_logits"].tolerance == pytest.approx(0.3 + f32)
+    assert rows["draft_logits"].ok and rows["draft_logits"].floors == (0.2, 0.1)
+    assert rows["tokens"].ok and rows["tokens"].value == 1 and rows["tokens"].tolerance == 1
+    worse = {**drifted, "draft_logits": reference["draft_logits"] + 0.31}
+    assert not {r.stage: r for r in compare(reference, worse, "bfloat16", floors)}[
+        "draft_logits"].ok
+    # A stage with no floor (one side lacks it) cannot pass.
+    assert not {r.stage: r for r in compare(reference, drifted, "bfloat16", ({}, {}))}[
+        "draft_logits"].ok
+
+
+@pytest.fixture(scope="module")
+def jax_records():
+    """The JAX side's float32 and bf16 records of one prompt (the dspine fixture)."""
+    from dspine_jax.checkpoints import load_target, resolve_dtype
+    from dspine_jax.drafters.checkpoint import load_drafter as jax_load
+    from dspine_jax.parity import jax_stages
+
+    out = {}
+    for dtype in ("f32", "bf16"):
+        target = load_target(str(FIXTURES / "target"), dtype=dtype, with_tokenizer=False)
+        drafter = jax_load(FIXTURES / "dspine", dtype=resolve_dtype(dtype))
+        out[dtype] = jax_stages(target.model, drafter, PROMPTS[0], max_new_tokens=8,
+                                q_temperature=Q_TEMPERATURE)
+    return out
+
+
+def torch_records(drafter_folder) -> dict:
+    out = {}
+    for dtype, tdtype in (("f32", torch.float32), ("bf16", torch.bfloat16)):
+        model = transformers.AutoModelForCausalLM.from_pretrained(FIXTURES / "target",
+                                                                  dtype=tdtype).eval()
+        out[dtype] = torch_stages(model, load_drafter(drafter_folder, dtype=tdtype),
+                                  PROMPTS[0], max_new_tokens=8, q_temperature=Q_TEMPERATURE)
+    return out
+
+
+def test_bf16_parity_passes_and_a_perturbed_weight_fails_both_ways(tmp_path, jax_records):
+    """The same weights pass in float32 (stated tolerances) and in bf16 (noise floors),
+    although the two bf16 targets round differently. The PyTorch drafter with its final
+    norm scaled by 1.25 (a change larger than bf16 rounding) fails in both."""
+    from safetensors.torch import load_file, save_file
+
+    from dspine_jax.parity import judge_bf16
+
+    def verdicts(theirs):
+        bf16, f32 = judge_bf16(jax_records["bf16"], theirs["bf16"], jax_records["f32"],
+                               theirs["f32"])
+        return {r.stage for r in bf16 if not r.ok}, {r.stage for r in f32 if not r.ok}
+
+    same = torch_records(FIXTURES / "dspine")
+    assert verdicts(same) == (set(), set())
+    # The targets' bf16 features really differ (transformers rounds RoPE's cos/sin to
+    # bf16, JAX does not): far past any float32 tolerance, within the floors.
+    assert np.max(np.abs(jax_records["bf16"]["features"] - same["bf16"]["features"])) > 1e-2
+
+    perturbed = tmp_path / "perturbed"
+    shutil.copytree(FIXTURES / "dspine", perturbed)
+    tensors = load_file(str(perturbed / "model.safetensors"))
+    tensors["norm.weight"] = tensors["norm.weight"] * 1.25
+    save_file(tensors, str(perturbed / "model.safetensors"))
+    failed_bf16, failed_f32 = verdicts(torch_records(perturbed))
+    assert "draft_logits" in failed_bf16 and "draft_logits" in failed_f32
+    assert "features" not in failed_bf16 | failed_f32     # the target is untouched
