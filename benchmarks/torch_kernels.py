@@ -270,7 +270,7 @@ def loop_tokens_per_second(device, cpu: bool, batches, new_tokens, rows, save, o
                     if over_budget(f"loop bs{batch} {kind} T={temperature} {impl}"):
                         continue
 
-                    def run():
+                    def run(prompts=prompts, drafter=drafter, sampling=sampling, impl=impl):
                         return generate_batch(target, drafter, prompts, max_new_tokens=new,
                                               sampling=sampling, seed=0, ignore_eos=True,
                                               implementation=impl)

@@ -298,7 +298,7 @@ def run_parity(target: str, drafter: str, *, prompts_file=None, temperature: flo
                         target_path, dtype=torch.float32).eval(),
                     dspine_torch.load_drafter(drafter_path, dtype=torch.float32))
     results, ok = [], True
-    kw = dict(max_new_tokens=max_new_tokens, q_temperature=temperature)
+    kw = {"max_new_tokens": max_new_tokens, "q_temperature": temperature}
     for prompt in prompts:
         ours = jax_stages(loaded.model, jax_drafter, prompt, **kw)
         theirs = torch_stages(torch_target, torch_drafter, prompt, **kw)

@@ -180,14 +180,14 @@ class DraftContext:
             return (self.length + steps).expand(b, -1)
         return self.lengths[:, None] + steps
 
-    def select(self, rows: torch.Tensor) -> "DraftContext":
+    def select(self, rows: torch.Tensor) -> DraftContext:
         """The context of the given rows only (a finished row leaves the batch)."""
         pick = (lambda t: None if t is None else t[rows])
         return DraftContext(keys=[k[rows] for k in self.keys],
                             values=[v[rows] for v in self.values], valid=pick(self.valid),
                             lengths=pick(self.lengths))
 
-    def trim(self) -> "DraftContext":
+    def trim(self) -> DraftContext:
         """Drop trailing columns that no row attends to."""
         if self.valid is None or self.length == 0:
             return self

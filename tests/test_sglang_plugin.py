@@ -204,7 +204,7 @@ def _sglang_dflash_parser():
                     "SGLang's DFlash config parser")
     from pathlib import Path
 
-    path = Path(list(spec.submodule_search_locations)[0]) / "srt/speculative/dflash_utils.py"
+    path = Path(next(iter(spec.submodule_search_locations))) / "srt/speculative/dflash_utils.py"
     if not path.is_file():
         pytest.skip(f"this sglang has no {path.name}: its DFlash config parser moved")
     tree = ast.parse(path.read_text())
@@ -236,7 +236,7 @@ def _sglang_dflash_parser():
     module.__file__ = str(path)
     sys.modules[module.__name__] = module
     try:
-        exec(compile(ast.Module(body=stdlib + keep, type_ignores=[]), str(path), "exec"),
+        exec(compile(ast.Module(body=stdlib + keep, type_ignores=[]), str(path), "exec"),  # noqa: S102 SGLang's own parser
              module.__dict__)
     except Exception as e:
         pytest.skip(f"SGLang's DFlash config parser does not load without its CUDA-side "
