@@ -1,8 +1,14 @@
 """Time dspine_torch's Triton kernels against their PyTorch references, and the PyTorch
-speculative loop's tokens/s at batch 1.
+speculative loop's tokens/s at batch 1 and 8.
 
     PYTHONPATH=. python benchmarks/torch_kernels.py --out torch_kernels.json      # CUDA
+    PYTHONPATH=. python benchmarks/torch_kernels.py --quick --out quick.json      # < 60 s
     PYTHONPATH=. python benchmarks/torch_kernels.py --device cpu                  # smoke
+
+Every row is printed (flushed) as it is measured and, with --out, the JSON file is
+rewritten after every row, so a run cut short shows and keeps what it measured.
+`--quick`: the SmolLM2 shape only, fewer calls per timing, a short loop, and a 50 s
+budget after which the remaining measurements are skipped (each skip is printed).
 
 Kernels (bf16 weights and hidden states, float32 logits), per shape and batch (1, 8):
   vocab_topk      top-C per drafted slot from the final hidden states and the lm_head
@@ -23,9 +29,10 @@ lm_head for vocab_topk, the logits for acceptance, the layer's weights and hidde
 for injection, ...); GB/s is that over the time and "% copy" its share of a measured
 device-to-device copy (read + write bytes of a 1 GiB copy).
 
-The loop: `dspine_torch.speculative.generate` on the golden fixtures' tiny target and
-drafters (tests/fixtures/torch_port), T = 0 and T = 0.8, implementation torch vs triton;
-tokens/s over 64 new tokens, after one warm-up generation. At these sizes the figure is
+The loop: `dspine_torch.speculative.generate_batch` on the golden fixtures' tiny target
+and drafters (tests/fixtures/torch_port), batch 1 and 8 (ragged prompts), T = 0 and
+T = 0.8, implementation torch vs triton; tokens/s (all rows) over 64 new tokens per row,
+after one warm-up generation. At these sizes the figure is
 the loop's per-step overhead (Python, launches, host syncs), not model compute.
 
 Imports only torch, triton, transformers (for the loop) and dspine_torch.
@@ -57,12 +64,31 @@ def parse():
     ap.add_argument("--iters", type=int, default=None, help="calls per timing (default 50)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-loop", action="store_true")
-    ap.add_argument("--out", default=None, help="write the rows as JSON")
+    ap.add_argument("--loop-batches", default="1,8", help="comma list of loop batch sizes")
+    ap.add_argument("--quick", action="store_true",
+                    help="SmolLM2 shape, few calls, short loop, 50 s budget (< 60 s total)")
+    ap.add_argument("--out", default=None, help="write the rows as JSON (after every row)")
     return ap.parse_args()
+
+
+QUICK_BUDGET_S = 50.0
 
 
 def main():
     args = parse()
+    sys.stdout.reconfigure(line_buffering=True)        # one flushed line per row
+    start = time.perf_counter()
+    if args.quick:
+        args.shapes = args.shapes or ("tiny" if args.device == "cpu" else "smollm2-135m")
+        args.iters = args.iters or 10
+        args.repeats = min(args.repeats, 3)
+
+    def over_budget(what: str) -> bool:
+        if args.quick and time.perf_counter() - start > QUICK_BUDGET_S:
+            print(f"skipped (--quick budget of {QUICK_BUDGET_S:.0f} s spent): {what}")
+            return True
+        return False
+
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is imported
     import torch
@@ -118,7 +144,16 @@ def main():
           f"torch {torch.__version__}, triton {triton.__version__}; copy bandwidth "
           f"{copy_gbs and round(copy_gbs)} GB/s")
 
-    rows = []
+    rows, loop_rows = [], []
+    meta = {"date": datetime.date.today().isoformat(),
+            "device": torch.cuda.get_device_name() if not cpu else "cpu",
+            "torch": torch.__version__, "triton": triton.__version__, "copy_gbs": copy_gbs,
+            "quick": args.quick}
+
+    def save():
+        if args.out:
+            Path(args.out).write_text(json.dumps({**meta, "kernels": rows, "loop": loop_rows},
+                                                 indent=1))
 
     def record(shape, batch, op, variant, ref_us, tri_us, nbytes):
         row = dict(shape=shape, batch=batch, op=op, variant=variant, torch_us=round(ref_us, 1),
@@ -132,6 +167,7 @@ def main():
               f"triton {tri_us:9.1f} us  x{ref_us / tri_us:5.2f}  "
               f"{row['triton_gbs']:8.1f} GB/s" + (f" ({row['triton_pct_copy']}% copy)"
                                                   if copy_gbs else ""))
+        save()
 
     g = torch.Generator().manual_seed(0)
 
@@ -150,6 +186,9 @@ def main():
                          norm_weight=torch.ones(d, dtype=bf16, device=device), eps=1e-6,
                          whiten=randn(d, r, scale=0.1), mean=randn(d, scale=0.01))
         for batch in batches:
+            if over_budget(f"kernels {name} bs{batch}"):
+                continue
+            print(f"{name} bs{batch}: timing kernels")
             n = batch * (k - 1)
             hidden = randn(n, d, dtype=bf16)
             both = {impl: (lambda impl=impl: dspine_proposal.vocab_topk(
@@ -197,54 +236,62 @@ def main():
             del logits
         del lm_head
 
-    loop_rows = [] if args.skip_loop else loop_tokens_per_second(device, cpu)
-    if args.out:
-        Path(args.out).write_text(json.dumps({
-            "date": datetime.date.today().isoformat(),
-            "device": torch.cuda.get_device_name() if not cpu else "cpu",
-            "torch": torch.__version__, "triton": triton.__version__,
-            "copy_gbs": copy_gbs, "kernels": rows, "loop": loop_rows}, indent=1))
+    if not args.skip_loop:
+        loop_batches = [int(b) for b in args.loop_batches.split(",")]
+        loop_tokens_per_second(device, cpu, loop_batches, 32 if args.quick else None,
+                               loop_rows, save, over_budget)
+    save()
+    print(f"done in {time.perf_counter() - start:.1f} s")
 
 
-def loop_tokens_per_second(device, cpu: bool):
+def loop_tokens_per_second(device, cpu: bool, batches, new_tokens, rows, save, over_budget):
     import torch
     import transformers
 
     from dspine_torch import load_drafter
-    from dspine_torch.speculative import Sampling, generate
+    from dspine_torch.speculative import Sampling, generate_batch
 
     sys.path.insert(0, str(FIXTURES.parents[2]))
     from tests.torch_port_golden import PROMPTS
 
     target = transformers.AutoModelForCausalLM.from_pretrained(
         FIXTURES / "target", dtype=torch.float32).eval().to(device)
-    new = 16 if cpu else 64
-    rows = []
-    for kind in ("dflash", "dspine"):
-        drafter = load_drafter(FIXTURES / kind).to(device)
-        for temperature in (0.0, 0.8):
-            sampling = Sampling(temperature=temperature, top_p=0.95 if temperature else 1.0)
-            for impl in ("torch", "triton"):
-                def run():
-                    return generate(target, drafter, PROMPTS[0], max_new_tokens=new,
-                                    sampling=sampling, seed=0, ignore_eos=True,
-                                    implementation=impl)
-                run()
-                if not cpu:
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                gen = run()
-                if not cpu:
-                    torch.cuda.synchronize()
-                seconds = time.perf_counter() - t0
-                tau = len(gen.tokens) / max(1, len(gen.accept_lengths))
-                row = dict(drafter=kind, temperature=temperature, implementation=impl,
-                           tokens=len(gen.tokens), seconds=round(seconds, 4),
-                           tokens_per_s=round(len(gen.tokens) / seconds, 1),
-                           tokens_per_verify=round(tau, 2))
-                rows.append(row)
-                print(f"loop bs1 {kind:7s} T={temperature:<4} {impl:7s} "
-                      f"{row['tokens_per_s']:8.1f} tok/s  tau {row['tokens_per_verify']}")
+    new = new_tokens or (16 if cpu else 64)
+    # Ragged prompts: the fixture prompts and their prefixes, cycled.
+    pool = [p[:len(p) - i] for i in range(3) for p in PROMPTS]
+    for batch in batches:
+        prompts = [pool[i % len(pool)] for i in range(batch)]
+        for kind in ("dflash", "dspine"):
+            drafter = load_drafter(FIXTURES / kind).to(device)
+            for temperature in (0.0, 0.8):
+                sampling = Sampling(temperature=temperature,
+                                    top_p=0.95 if temperature else 1.0)
+                for impl in ("torch", "triton"):
+                    if over_budget(f"loop bs{batch} {kind} T={temperature} {impl}"):
+                        continue
+
+                    def run(prompts=prompts, drafter=drafter, sampling=sampling, impl=impl):
+                        return generate_batch(target, drafter, prompts, max_new_tokens=new,
+                                              sampling=sampling, seed=0, ignore_eos=True,
+                                              implementation=impl)
+                    run()
+                    if not cpu:
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    gens = run()
+                    if not cpu:
+                        torch.cuda.synchronize()
+                    seconds = time.perf_counter() - t0
+                    tokens = sum(len(g.tokens) for g in gens)
+                    passes = sum(len(g.accept_lengths) for g in gens)
+                    row = dict(batch=batch, drafter=kind, temperature=temperature,
+                               implementation=impl, tokens=tokens, seconds=round(seconds, 4),
+                               tokens_per_s=round(tokens / seconds, 1),
+                               tokens_per_verify=round(tokens / max(1, passes), 2))
+                    rows.append(row)
+                    print(f"loop bs{batch:<2d} {kind:7s} T={temperature:<4} {impl:7s} "
+                          f"{row['tokens_per_s']:8.1f} tok/s  tau {row['tokens_per_verify']}")
+                    save()
     return rows
 
 

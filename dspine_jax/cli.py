@@ -259,7 +259,8 @@ def parity(
     temperature: float = typer.Option(0.8, metavar="T", help="Temperature of the compared "
                                       "q distributions (tokens are compared at T = 0)."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", min=1, metavar="N"),
-    dtype: str = typer.Option("f32", metavar="f32|bf16"),
+    dtype: str = typer.Option("f32", metavar="f32|bf16", help="bf16 also runs each side in "
+                              "f32 and judges each stage against the two noise floors."),
 ):
     """Run the same prompts through JAX and PyTorch; report each stage's max difference
     and T = 0 token agreement. Exit 0 only when every stage is within tolerance."""

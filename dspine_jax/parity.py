@@ -40,18 +40,23 @@ TOLERANCES = {
     "float32": {"features": 1e-4, "draft_logits": 1e-4, "q": 1e-5, "target_logits": 1e-4,
                 "gates": 1e-5, "transition": 1e-4},
 }
-# bf16 is not given hand-set numbers. `run_parity --dtype bf16` also runs the float32 pair
-# on the same prompts and takes, per stage, its max abs difference as the noise floor of
-# the two implementations (different operation orders, different kernels). To first order
-# rounding error grows with the unit roundoff, so the bf16 tolerance of a stage is that
-# floor times u_bf16 / u_f32 = 2^-8 / 2^-24 = 2^16 (floored at one f32 ulp of the stage's
-# scale, so a floor of exactly 0 still leaves bf16 room). Differences in *where* the two
-# sides round (transformers casts RoPE's cos/sin to bf16; JAX keeps them in float32) are
-# not operation-order noise: a stage that fails by that is reported, not re-tuned.
-BF16_OVER_F32 = 2.0 ** 16
-F32_ULP = 2.0 ** -23
+# bf16 gets no hand-set numbers. `run_parity --dtype bf16` runs every prompt four times:
+# JAX and PyTorch, each in bf16 and in float32 on the same weights. A stage's *noise
+# floor* on one side is the distance between that side's bf16 and float32 records: what
+# bf16 rounding alone does to it there (transformers, for one, rounds RoPE's cos/sin to
+# bf16 and JAX does not, so the two floors can differ a lot). The bf16 pair passes a
+# stage when
+#     d(JAX bf16, torch bf16) <= floor_jax + floor_torch + the stage's float32 tolerance,
+# the triangle inequality through the two float32 runs: rounding on both sides plus the
+# float32 parity already asked for explains the whole difference. A difference of the
+# implementations (a weight, a cast, a mask) is in neither floor and fails when it is
+# larger than that rounding. Distances: max abs difference for float stages, the count
+# of differing entries for exact stages (token ids, accepted lengths), the disagreeing
+# fraction for the argmax and token agreement rows; each obeys the triangle inequality,
+# so tokens that flip on a near-tie in bf16 are judged by the same rule.
 EXACT = ("first_token", "draft_tokens", "candidates", "num_accepted", "tokens",
          "accept_lengths")
+AGREEMENT = ("draft_argmax_disagreement", "token_disagreement")
 
 
 def jax_stages(target: TargetModel, drafter: BlockDrafter, prompt: list[int], *,
@@ -102,72 +107,93 @@ def jax_stages(target: TargetModel, drafter: BlockDrafter, prompt: list[int], *,
 @dataclasses.dataclass
 class StageDiff:
     stage: str
-    value: float          # max abs difference, or mismatching entries for exact stages
+    value: float          # the stage's distance (see EXACT and AGREEMENT)
     tolerance: float
     detail: str = ""
+    floors: tuple | None = None   # bf16: (JAX bf16 vs f32, torch bf16 vs f32)
 
     @property
     def ok(self) -> bool:
         return self.value <= self.tolerance
 
 
+def _padded_mismatches(a: np.ndarray, b: np.ndarray) -> int:
+    """Entries that differ, a missing entry differing from anything (a Hamming distance
+    over sequences of any length)."""
+    a, b = a.reshape(-1), b.reshape(-1)
+    n = min(len(a), len(b))
+    return int(np.sum(a[:n] != b[:n])) + abs(len(a) - len(b))
+
+
+def distances(ours: dict, theirs: dict) -> dict[str, float]:
+    """Per stage present on both sides, the distance of two stage records: max abs
+    difference (float stages; inf for different shapes), differing entries (EXACT), the
+    disagreeing fraction of drafted-slot argmaxes and of T = 0 tokens (AGREEMENT)."""
+    out = {}
+    for name, a in ours.items():
+        if name not in theirs:
+            continue
+        a, b = np.asarray(a), np.asarray(theirs[name])
+        if name in EXACT:
+            out[name] = float(_padded_mismatches(a, b))
+        elif a.shape != b.shape:
+            out[name] = float("inf")
+        else:
+            out[name] = float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)),
+                                     initial=0.0))
+    if "draft_logits" in ours and "draft_logits" in theirs:
+        a, b = np.asarray(ours["draft_logits"])[1:], np.asarray(theirs["draft_logits"])[1:]
+        out["draft_argmax_disagreement"] = (
+            float(np.mean(np.argmax(a, -1) != np.argmax(b, -1))) if a.shape == b.shape
+            else 1.0)
+    if "tokens" in ours and "tokens" in theirs:
+        a, b = np.asarray(ours["tokens"]), np.asarray(theirs["tokens"])
+        out["token_disagreement"] = _padded_mismatches(a, b) / max(1, len(a), len(b))
+    return out
+
+
 def compare(ours: dict, theirs: dict, dtype: str = "float32",
-            floor: dict | None = None) -> list[StageDiff]:
-    """Stage by stage: max abs difference within tolerance, exact stages equal, plus the
-    argmax agreement of the draft logits (slots 1..K-1). float32 uses TOLERANCES; bf16
-    needs `floor` (stage -> the float32 pair's max abs difference, see BF16_OVER_F32)."""
-    if dtype == "bfloat16":
-        if floor is None:
-            raise ValueError("bf16 tolerances derive from the float32 pair's noise floor")
-        tolerances = None
-    else:
-        tolerances = TOLERANCES[dtype]
+            floors: tuple[dict, dict] | None = None) -> list[StageDiff]:
+    """Stage by stage: each distance (see `distances`) within its tolerance. float32:
+    TOLERANCES for float stages, 0 for the others. bfloat16 needs `floors`: the
+    distances of each side's bf16 record from its own float32 record (JAX's, torch's);
+    a stage's tolerance is their sum plus its float32 tolerance (see the note above)."""
+    if dtype == "bfloat16" and floors is None:
+        raise ValueError("bf16 tolerances come from the noise floors: each side's bf16 "
+                         "record against its own float32 record")
+    f32 = TOLERANCES["float32"]
     rows = []
     missing = sorted(set(ours) ^ set(theirs))
     if missing:
         rows.append(StageDiff("keys", len(missing), 0, f"only on one side: {missing}"))
-    for name in ours:
-        if name not in theirs:
-            continue
-        a, b = np.asarray(ours[name]), np.asarray(theirs[name])
-        if name in EXACT:
-            if a.shape != b.shape:
-                rows.append(StageDiff(name, max(a.size, b.size), 0,
-                                      f"{a.tolist()} vs {b.tolist()}"))
-            else:
-                bad = int(np.sum(a != b))
-                rows.append(StageDiff(name, bad, 0, "" if not bad else
-                                      f"{a.tolist()} vs {b.tolist()}"))
-        elif a.shape != b.shape:
-            rows.append(StageDiff(name, float("inf"), 0.0, f"shapes {a.shape} vs {b.shape}"))
-        else:
-            diff = float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))
-            scale = float(np.max(np.abs(a)))
-            if dtype == "bfloat16":
-                base = max(floor.get(name, 0.0), F32_ULP * scale)
-                tolerance = base * BF16_OVER_F32
-            else:
-                tolerance = tolerances[name]
-            if (dtype == "bfloat16" and name in ("q", "transition")
-                    and not np.array_equal(ours.get("candidates"), theirs.get("candidates"))):
-                tolerance = float("inf")  # different candidates: rows are not comparable
-            if (dtype == "bfloat16" and name == "target_logits"
-                    and not np.array_equal(ours.get("draft_tokens"), theirs.get("draft_tokens"))):
-                tolerance = float("inf")  # the target scored different drafts
-            rows.append(StageDiff(name, diff, tolerance, f"max |value| {scale:.3g}"))
-    if "draft_logits" in ours and "draft_logits" in theirs:
-        a, b = ours["draft_logits"][1:], theirs["draft_logits"][1:]
-        if a.shape == b.shape:
-            same = np.argmax(a, -1) == np.argmax(b, -1)
-            rows.append(StageDiff("draft_argmax_disagreement", 1 - float(np.mean(same)), 0,
-                                  f"argmax agreement {np.mean(same):.1%}, per slot "
-                                  + "".join("=" if x else "x" for x in same)))
-    if "tokens" in ours and "tokens" in theirs:
-        agree = token_agreement(ours["tokens"], theirs["tokens"])
-        rows.append(StageDiff("token_disagreement", 1 - agree["rate"], 0,
-                              f"T=0 tokens agree {agree['rate']:.1%}, first divergence at "
-                              f"{agree['first_divergence']}"))
+    for name, value in distances(ours, theirs).items():
+        exact = name in EXACT or name in AGREEMENT
+        tolerance = 0.0 if exact else f32[name]
+        pair = None
+        if floors is not None:
+            pair = (floors[0].get(name, 0.0), floors[1].get(name, 0.0))   # none: no room
+            tolerance = pair[0] + pair[1] + tolerance
+        rows.append(StageDiff(name, int(value) if name in EXACT else value, tolerance,
+                              _detail(name, ours, theirs, value), pair))
     return rows
+
+
+def _detail(name, ours, theirs, value) -> str:
+    if name == "draft_argmax_disagreement":
+        a, b = np.asarray(ours["draft_logits"])[1:], np.asarray(theirs["draft_logits"])[1:]
+        same = np.argmax(a, -1) == np.argmax(b, -1) if a.shape == b.shape else []
+        return (f"argmax agreement {1 - value:.1%}, per slot "
+                + "".join("=" if x else "x" for x in same))
+    if name == "token_disagreement":
+        agree = token_agreement(ours["tokens"], theirs["tokens"])
+        return (f"T=0 tokens agree {agree['rate']:.1%}, first divergence at "
+                f"{agree['first_divergence']}")
+    a, b = np.asarray(ours[name]), np.asarray(theirs[name])
+    if name in EXACT:
+        return "" if not value else f"{a.tolist()} vs {b.tolist()}"
+    if a.shape != b.shape:
+        return f"shapes {a.shape} vs {b.shape}"
+    return f"max |value| {float(np.max(np.abs(a), initial=0.0)):.3g}"
 
 
 def token_agreement(a, b) -> dict:
@@ -180,15 +206,13 @@ def token_agreement(a, b) -> dict:
     return {"rate": float(same.mean()) if n else 1.0, "first_divergence": first}
 
 
-def noise_floor(ours: dict, theirs: dict) -> dict:
-    """Per float stage, the max abs difference of two records (the float32 pair)."""
-    out = {}
-    for name, a in ours.items():
-        b = theirs.get(name)
-        if name in EXACT or b is None or np.shape(a) != np.shape(b):
-            continue
-        out[name] = float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
-    return out
+def judge_bf16(jax_bf16: dict, torch_bf16: dict, jax_f32: dict,
+               torch_f32: dict) -> tuple[list[StageDiff], list[StageDiff]]:
+    """The bf16 pair judged against the two noise floors, and the float32 pair of the
+    same prompt judged by TOLERANCES (the floors' triangle goes through it)."""
+    floors = (distances(jax_bf16, jax_f32), distances(torch_bf16, torch_f32))
+    return (compare(jax_bf16, torch_bf16, "bfloat16", floors),
+            compare(jax_f32, torch_f32, "float32"))
 
 
 DEFAULT_TEXTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, there")
@@ -266,45 +290,51 @@ def run_parity(target: str, drafter: str, *, prompts_file=None, temperature: flo
         target_path, dtype=tdtype).eval()
     torch_drafter = dspine_torch.load_drafter(drafter_path, dtype=tdtype)
     prompts = read_prompts(prompts_file, loaded.tokenizer, loaded.config.vocab_size)
-    name = "float32" if dtype == "f32" else "bfloat16"
     f32_pair = None
-    if name == "bfloat16":  # the noise floor the bf16 tolerances scale from
-        f32_target = load_target(str(target_path), dtype="f32", with_tokenizer=False).model
-        f32_pair = (f32_target, load_drafter(drafter_path, dtype=resolve_dtype("f32")),
+    if dtype == "bf16":  # each side's float32 run: its noise floor and the f32 pair
+        f32_pair = (load_target(str(target_path), dtype="f32", with_tokenizer=False).model,
+                    load_drafter(drafter_path, dtype=resolve_dtype("f32")),
                     transformers.AutoModelForCausalLM.from_pretrained(
                         target_path, dtype=torch.float32).eval(),
                     dspine_torch.load_drafter(drafter_path, dtype=torch.float32))
     results, ok = [], True
+    kw = {"max_new_tokens": max_new_tokens, "q_temperature": temperature}
     for prompt in prompts:
-        ours = jax_stages(loaded.model, jax_drafter, prompt, max_new_tokens=max_new_tokens,
-                          q_temperature=temperature)
-        theirs = torch_stages(torch_target, torch_drafter, prompt,
-                              max_new_tokens=max_new_tokens, q_temperature=temperature)
-        floor = None
-        if f32_pair is not None:
-            floor = noise_floor(
-                jax_stages(f32_pair[0], f32_pair[1], prompt, max_new_tokens=max_new_tokens,
-                           q_temperature=temperature),
-                torch_stages(f32_pair[2], f32_pair[3], prompt, max_new_tokens=max_new_tokens,
-                             q_temperature=temperature))
-        rows = compare(ours, theirs, name, floor)
-        if name == "bfloat16":  # rounding flips near-ties: token stages are reported only
-            rows = [dataclasses.replace(r, tolerance=float("inf")) if r.stage in EXACT
-                    or r.stage in ("draft_argmax_disagreement", "token_disagreement") else r
-                    for r in rows]
+        ours = jax_stages(loaded.model, jax_drafter, prompt, **kw)
+        theirs = torch_stages(torch_target, torch_drafter, prompt, **kw)
+        if f32_pair is None:
+            rows = compare(ours, theirs, "float32")
+        else:
+            rows, f32_rows = judge_bf16(ours, theirs,
+                                        jax_stages(f32_pair[0], f32_pair[1], prompt, **kw),
+                                        torch_stages(f32_pair[2], f32_pair[3], prompt, **kw))
+            bad = [r.stage for r in f32_rows if not r.ok]
+            rows.append(StageDiff("float32_pair_failures", len(bad), 0,
+                                  "float32 pair within tolerance" if not bad else
+                                  f"float32 pair out of tolerance: {bad}"))
         ok &= all(r.ok for r in rows)
         results.append((prompt, rows))
     return results, ok
 
 
 def format_report(results, ok: bool) -> str:
+    """One table per prompt: stage, distance, tolerance, verdict, and in bf16 the two
+    noise floors (each side's bf16 against its own float32) the tolerance sums."""
     lines = []
     for i, (prompt, rows) in enumerate(results):
         lines.append(f"prompt {i} ({len(prompt)} tokens)")
+        bf16 = any(r.floors is not None for r in rows)
+        if bf16:
+            lines.append(f"  {'stage':27s} {'bf16 diff':>10s}  {'tolerance':12s} {'':4s}  "
+                         f"{'floor jax':>10s} {'floor torch':>11s}  detail")
         for r in rows:
             value = f"{r.value:.3g}" if isinstance(r.value, float) else str(r.value)
-            tol = "report only" if r.tolerance == float("inf") else f"<= {r.tolerance:g}"
+            tol = "report only" if r.tolerance == float("inf") else f"<= {r.tolerance:.3g}"
+            floors = ""
+            if bf16:
+                floors = ("" if r.floors is None else
+                          f"{r.floors[0]:10.3g} {r.floors[1]:11.3g}").ljust(22) + "  "
             lines.append(f"  {r.stage:27s} {value:>10s}  {tol:12s} "
-                         f"{'ok' if r.ok else 'FAIL'}  {r.detail[:70]}")
+                         f"{'ok' if r.ok else 'FAIL':4s}  {floors}{r.detail[:70]}")
     lines.append("parity: " + ("all stages within tolerance" if ok else "FAILED"))
     return "\n".join(lines)

@@ -158,14 +158,46 @@ class DraftLayer(nn.Module):
 @dataclasses.dataclass
 class DraftContext:
     """The drafter's context cache: per draft layer, K/V [B, S, G, H] of fused target
-    features at positions 0 .. S-1 (rows share one length)."""
+    features. Without `valid`, every row holds positions 0 .. S-1. A batch with ragged
+    rows carries `valid` [B, S] bool (columns a row attends to; the others are holes it
+    never reads) and `lengths` [B] (valid columns per row: the position its next feature
+    takes)."""
 
     keys: list
     values: list
+    valid: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
         return self.keys[0].shape[1]
+
+    def next_positions(self, count: int) -> torch.Tensor:
+        """[B, count]: the positions of each row's next `count` entries."""
+        b, device = self.keys[0].shape[0], self.keys[0].device
+        steps = torch.arange(count, device=device)
+        if self.lengths is None:
+            return (self.length + steps).expand(b, -1)
+        return self.lengths[:, None] + steps
+
+    def select(self, rows: torch.Tensor) -> DraftContext:
+        """The context of the given rows only (a finished row leaves the batch)."""
+        pick = (lambda t: None if t is None else t[rows])
+        return DraftContext(keys=[k[rows] for k in self.keys],
+                            values=[v[rows] for v in self.values], valid=pick(self.valid),
+                            lengths=pick(self.lengths))
+
+    def trim(self) -> DraftContext:
+        """Drop trailing columns that no row attends to."""
+        if self.valid is None or self.length == 0:
+            return self
+        cols = torch.arange(1, self.length + 1, device=self.valid.device)
+        end = int((self.valid * cols).max())
+        if end == self.length:
+            return self
+        return DraftContext(keys=[k[:, :end] for k in self.keys],
+                            values=[v[:, :end] for v in self.values],
+                            valid=self.valid[:, :end], lengths=self.lengths)
 
 
 @dataclasses.dataclass
@@ -261,37 +293,58 @@ class DFlashDraftModel(PreTrainedModel):
                             dtype=self.compute_dtype, device=self.fc.weight.device)
         return DraftContext(keys=[empty] * len(self.layers), values=[empty] * len(self.layers))
 
-    def extend_context(self, context: DraftContext, features: torch.Tensor) -> DraftContext:
-        """Append the features [B, T, F] of the next T positions."""
+    def extend_context(self, context: DraftContext, features: torch.Tensor,
+                       valid: torch.Tensor | None = None) -> DraftContext:
+        """Append the features [B, T, F] of each row's next T positions. `valid` [B, T]
+        bool (a prefix of each row) marks which of them are real; the rest become holes
+        (their features are zeroed so that nothing non-finite reaches a masked column)."""
+        if valid is not None:
+            features = torch.where(valid[..., None], features, torch.zeros_like(features))
         fused = self.fuse(features)
-        start = context.length
-        positions = torch.arange(start, start + features.shape[1], device=features.device)
-        cos, sin = self.rope(positions.expand(features.shape[0], -1))
+        b, t = features.shape[:2]
+        cos, sin = self.rope(context.next_positions(t))
         keys, values = [], []
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.project_kv(fused, cos, sin)
             keys.append(torch.cat([context.keys[i], k], 1))
             values.append(torch.cat([context.values[i], v], 1))
-        return DraftContext(keys=keys, values=values)
+        if valid is None and context.valid is None:
+            return DraftContext(keys=keys, values=values)
+        device = features.device
+        if valid is None:
+            valid = torch.ones(b, t, dtype=torch.bool, device=device)
+        old_valid = context.valid
+        if old_valid is None:
+            old_valid = torch.ones(b, context.length, dtype=torch.bool, device=device)
+        lengths = context.lengths
+        if lengths is None:
+            lengths = torch.full((b,), context.length, dtype=torch.long, device=device)
+        return DraftContext(keys=keys, values=values, valid=torch.cat([old_valid, valid], 1),
+                            lengths=lengths + valid.sum(1))
 
     # ----- one block ---------------------------------------------------------------------------
     @property
     def causal_block(self) -> bool:
         return False
 
-    def block_mask(self, batch: int, context_length: int, device) -> torch.Tensor:
-        """[B, K, S + K]: the whole context, and the block (causal for DSpine)."""
+    def block_mask(self, batch: int, context_length: int, device,
+                   valid: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, K, S + K]: the context (its valid columns, given `valid` [B, S]), and the
+        block (causal for DSpine)."""
         k = self.block_size
         inside = torch.ones(k, k, dtype=torch.bool, device=device)
         if self.causal_block:
             inside = torch.tril(inside)
-        ctx = torch.ones(k, context_length, dtype=torch.bool, device=device)
-        return torch.cat([ctx, inside], 1).expand(batch, -1, -1)
+        ctx = torch.ones(batch, k, context_length, dtype=torch.bool, device=device)
+        if valid is not None:
+            ctx = ctx & valid[:, None, :]
+        return torch.cat([ctx, inside.expand(batch, -1, -1)], 2)
 
     def forward(self, anchor: torch.Tensor, context: DraftContext, input_embedding: torch.Tensor,
                 output_embedding: torch.Tensor, *, compute_logits: bool = True,
                 inject=None) -> DraftOutput:
-        """Draft one block per row: anchor [B] at position context.length; E_in, E_out
+        """Draft one block per row: anchor [B] at the row's next position (context.length,
+        or context.lengths for ragged rows); E_in, E_out
         [V, D] are the target's frozen tables. `compute_logits=False` skips the [B, K, V]
         base logits (a caller that takes top-C from `hidden` itself); `inject`, where
         given, replaces DSpine's write after each layer: (layer, h [B, K, D], sqrt(r)
@@ -299,9 +352,8 @@ class DFlashDraftModel(PreTrainedModel):
         b, k = anchor.shape[0], self.block_size
         tokens = torch.cat([anchor[:, None], anchor.new_full((b, k - 1), self.mask_token_id)], 1)
         x = input_embedding[tokens].to(self.compute_dtype)                 # [B, K, D]
-        positions = context.length + torch.arange(k, device=anchor.device).expand(b, -1)
-        cos, sin = self.rope(positions)
-        mask = self.block_mask(b, context.length, anchor.device)
+        cos, sin = self.rope(context.next_positions(k))
+        mask = self.block_mask(b, context.length, anchor.device, context.valid)
         record = {"pre_injection": None, "gates": [], "inject": inject}
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, context.keys[i], context.values[i], mask)

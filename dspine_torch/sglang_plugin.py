@@ -12,8 +12,10 @@ sparse q over candidates). The plugin adds what DSpine changes:
   DFlash worker already drives for candidate-lattice drafters: `compute_candidates` is
   the top-C over the target's lm_head (`dspine_proposal.vocab_topk`), `build_lattice`
   the C x C transition table (`dspine_proposal.transition_table`), and `sample_path`
-  SGLang's own walk (argmax at T = 0, the temperature softmax at T > 0, q over the
-  candidates);
+  the walk with each row's full warp (`selector_walk`: argmax on greedy rows, else
+  temperature, top-k, top-p through `dspine_torch.kernels.common.warp_logits`, the
+  function the kernels' reference applies and the warp SGLang's verify gives p; q over
+  the candidates);
 * the algorithm name DSPINE, registered through `SpeculativeAlgorithm.register` with a
   spec class that answers every `is_*` / `supports_*` question as DFLASH does (DSpine is
   a DFlash-family algorithm to SGLang's scheduler).
@@ -24,8 +26,11 @@ Registration runs through SGLang's plugin entry point (group `sglang.srt.plugins
 SGLang's server). The drafter folder is a `dspine export --format dflash-hf` export (it
 carries the [V, r] `transfer_codes` table the injection reads).
 
-Limits: tensor parallelism 1 for the draft head (the lm_head rows are read whole); at
-T > 0 SGLang's walk applies the temperature only (no top-p/top-k on q).
+SGLang hands the walk each row's temperature and greedy flag only, so the plugin's
+worker (a `DFlashWorkerV2` subclass) stages each batch's top_p/top_k into the selector
+beside them, on the eager path and before a captured draft graph's replay.
+
+Limits: tensor parallelism 1 for the draft head (the lm_head rows are read whole).
 
     python -m dspine_torch.sglang_plugin --model-path Qwen/Qwen3-8B \\
         --speculative-algorithm DSPINE --speculative-draft-model-path EXPORT_DIR \\
@@ -73,10 +78,108 @@ def spec_class():
 
 
 def worker_factory(server_args):
-    """SGLang's DFlash worker: DSpine's difference lives in its draft model."""
+    """SGLang's DFlash worker, staging each batch's top_p/top_k for DSpine's walk (the
+    rest of DSpine's difference lives in its draft model)."""
     from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 
-    return DFlashWorkerV2
+    return worker_class(DFlashWorkerV2)
+
+
+def worker_class(base):
+    class DSpineWorker(base):
+        """`base` (SGLang's DFlashWorkerV2), plus the top_p/top_k of each batch staged
+        into the selector wherever SGLang stages the temperatures."""
+
+        def _propose_selector_block(self, *, bs, sampling_info, **kwargs):
+            _stage(self.selector, bs, sampling_info)
+            return super()._propose_selector_block(bs=bs, sampling_info=sampling_info,
+                                                   **kwargs)
+
+        def _maybe_build_draft_sampler(self):
+            sampler = super()._maybe_build_draft_sampler()
+            stage = getattr(sampler, "stage_sampling_params", None)
+            selector = self.selector
+            if stage is None or not hasattr(selector, "stage_warp"):
+                return sampler
+            # The captured graph reads fixed addresses: reserve them before capture.
+            selector.reserve(sampler.temperatures.shape[0], sampler.temperatures.device)
+
+            def stage_both(*, bs, sampling_info):
+                stage(bs=bs, sampling_info=sampling_info)
+                selector.stage_warp(bs, sampling_info)
+            sampler.stage_sampling_params = stage_both
+            return sampler
+
+    DSpineWorker.__name__ = "DSpineWorker"
+    return DSpineWorker
+
+
+def _stage(selector, bs, sampling_info):
+    if hasattr(selector, "stage_warp"):
+        selector.stage_warp(bs, sampling_info)
+
+
+class RowWarp:
+    """Each row's top_p / top_k for the walk, staged by the worker beside SGLang's own
+    temperatures. Copied in place into buffers reserved once, so a captured draft graph
+    reads them at fixed addresses; rows never staged get no top-p/top-k."""
+
+    def __init__(self):
+        self.top_ps = self.top_ks = None
+
+    def reserve(self, rows: int, device) -> None:
+        import torch
+
+        device = torch.device(device)
+        have = self.top_ps
+        if (have is not None and have.shape[0] >= rows and have.device.type == device.type
+                and (device.index is None or have.device.index == device.index)):
+            return
+        self.top_ps = torch.ones(rows, device=device)
+        self.top_ks = torch.zeros(rows, dtype=torch.long, device=device)
+
+    def stage(self, bs: int, sampling_info, device) -> None:
+        self.reserve(bs, device if self.top_ps is None else self.top_ps.device)
+        if sampling_info is None:
+            self.top_ps[:bs].fill_(1.0)
+            self.top_ks[:bs].fill_(0)
+            return
+        self.top_ps[:bs].copy_(sampling_info.top_ps.view(-1)[:bs].float())
+        self.top_ks[:bs].copy_(sampling_info.top_ks.view(-1)[:bs].long())
+
+    def rows(self, bs: int, device):
+        """(top_ps [bs], top_ks [bs]) for the walk."""
+        if self.top_ps is None or self.top_ps.shape[0] < bs:
+            self.reserve(bs, device)
+        return self.top_ps[:bs], self.top_ks[:bs]
+
+
+def selector_walk(candidate_ids, scores, uniforms, temperatures, greedy_mask, top_ps, top_ks):
+    """DSpine's walk with every row's own warp (plain torch; what `sample_path` runs).
+
+    candidate_ids [B, S, C]; scores [B, S, C, C] (slot 0's rows all score from the
+    anchor); uniforms [B, S]; temperatures, top_ps [B] float; top_ks [B] int (<= 0 or
+    >= C: all candidates); greedy_mask [B] bool -> (tokens [B, S], q [B, S, C]).
+    A sampled row draws slot i from softmax(warp(row of its chosen predecessor)) at
+    uniforms[:, i] (`kernels.common.warp_logits` and `inverse_cdf`, as the kernels'
+    reference walk does); a greedy row takes the argmax, with q its point mass."""
+    import torch
+    import torch.nn.functional as F
+
+    from dspine_torch.kernels.common import inverse_cdf, warp_logits
+
+    b, s, c, _ = scores.shape
+    rows = torch.arange(b, device=scores.device)
+    index = torch.zeros(b, dtype=torch.long, device=scores.device)
+    tokens, qs = [], []
+    for i in range(s):
+        given = scores[rows, i, index].float()                             # [B, C]
+        probs = torch.softmax(warp_logits(given, temperatures, top_ps, top_ks), -1)
+        greedy = given.argmax(-1)
+        index = torch.where(greedy_mask, greedy, inverse_cdf(probs, uniforms[:, i]))
+        qs.append(torch.where(greedy_mask[:, None], F.one_hot(greedy, c).float(), probs))
+        tokens.append(candidate_ids[rows, i, index])
+    return torch.stack(tokens, 1), torch.stack(qs, 1)
 
 
 def register() -> None:
@@ -112,7 +215,7 @@ def draft_model_class():
     import torch
     from torch import nn
 
-    from sglang.srt.models.dflash import CandidateSelector, DFlashDraftModel
+    from sglang.srt.models.dflash import DFlashDraftModel
 
     from dspine_torch.kernels import dspine_proposal, gated_injection
     from dspine_torch.modeling_dspine import AdjacentInjection
@@ -124,6 +227,13 @@ def draft_model_class():
             super().__init__()
             self.top_k = int(top_k)
             self._model = [model]           # not a submodule: no second owner
+            self.warp = RowWarp()
+
+        def reserve(self, rows: int, device) -> None:
+            self.warp.reserve(rows, device)
+
+        def stage_warp(self, bs: int, sampling_info) -> None:
+            self.warp.stage(bs, sampling_info, self._model[0].transfer_codes.device)
 
         def head(self):
             m = self._model[0]
@@ -153,8 +263,12 @@ def draft_model_class():
                 implementation=kernel_implementation(pre))
             return table.view(b, s, c, c)
 
-        def sample_path(self, **kwargs):
-            return CandidateSelector.sample_path(self, **kwargs)
+        def sample_path(self, *, candidate_ids, scores, uniforms, temperatures,
+                        greedy_mask):
+            """SGLang's hook: the walk with each row's staged top_p / top_k."""
+            top_ps, top_ks = self.warp.rows(scores.shape[0], scores.device)
+            return selector_walk(candidate_ids, scores, uniforms, temperatures.view(-1),
+                                 greedy_mask.view(-1), top_ps, top_ks)
 
     class DSpineDraftModel(DFlashDraftModel):
         def __init__(self, config, quant_config=None, prefix: str = "") -> None:

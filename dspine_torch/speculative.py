@@ -1,20 +1,37 @@
 """Speculative decoding in PyTorch over a transformers causal LM (Qwen3, Llama, ...).
 
-One row at a time. Between steps the target's KV cache and the drafter's context hold
-positions 0 .. L-1 and the anchor (the last emitted token) sits at position L. A step:
+B rows at once, each at its own length. Between steps row b's target KV cache and
+drafter context hold its positions 0 .. L_b - 1 and its anchor (the last emitted token)
+sits at position L_b. A step, for every row:
   draft   one drafter pass over [anchor, MASK...] -> K-1 draft tokens and their q
   verify  one target pass over [anchor, drafts] -> p at every position, target features
   accept  keep d_i with probability min(1, p_i(d_i) / q_i(d_i)) (at T = 0: while d_i is
           the target's argmax); the target then samples from norm(max(0, p - q)) at the
-          first rejection, or from p after all K-1 (the bonus); the cache is cropped to
-          L + n + 1 and the drafter context gains the features of positions L .. L + n.
+          first rejection, or from p after all K-1 (the bonus); row b keeps L_b + n_b + 1
+          positions and its drafter context gains the features of L_b .. L_b + n_b.
 
-Shape legend: K block size, V vocab, F fused feature width.
+Ragged rows. transformers' DynamicCache crops every row to one length, but rows accept
+different counts. So the cache stays a padded batch: each verify appends K columns to
+every row, a row's rejected columns become holes that its attention mask hides from then
+on, and RoPE positions come from per-row lengths, never from column indices. Columns
+past every row's last kept one are cropped, so the cache grows by the longest row's
+accepted length per step (plus the holes of the others). The drafter context works the
+same way (`DraftContext.valid`, `.lengths`). A static cache with per-row lengths would
+avoid the holes but needs a per-row write offset that transformers' caches do not have.
+Finished rows leave the batch (`DynamicCache.batch_select_indices`). With one row there
+are never holes and no mask is passed: the batch-of-one path is the plain one.
+
+Randomness is per row: row i draws from its own CPU generator (seed + i, or seeds[i]),
+the same numbers in the same order whatever else is in the batch.
+
+Shape legend: B batch, K block size, S = K - 1 drafted slots, T new columns, V vocab,
+F fused feature width.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -25,21 +42,23 @@ from dspine_torch.modeling_dspine import DFlashDraftModel, DSpineDraftModel, war
 
 
 class TargetRunner:
-    """A transformers causal LM with a KV cache it can roll back, returning the hidden
-    states after the drafter's target layers (forward hooks: HF's `hidden_states` tuple
-    applies the final norm to its last entry)."""
+    """A transformers causal LM over a padded batch of ragged rows: a KV cache whose
+    rejected columns become masked holes, per-row RoPE positions, and the hidden states
+    after the drafter's target layers (forward hooks: HF's `hidden_states` tuple applies
+    the final norm to its last entry)."""
 
     def __init__(self, model, layer_ids):
         self.model = model.eval()
         self.layer_ids = list(layer_ids)
         self.cache = None
+        self.mask = None        # [B, columns] bool; None: every column of every row valid
+        self.lengths = None     # [B] valid columns per row (the next position)
+        self._last = 0          # columns the last call appended
         self._captured = {}
         layers = model.model.layers
         bad = [i for i in self.layer_ids if not 0 <= i < len(layers)]
         if bad:
             raise ValueError(f"drafter reads target layers {bad}; the target has {len(layers)}")
-        import inspect
-
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._hooks = [layers[i].register_forward_hook(self._hook(i)) for i in set(self.layer_ids)]
@@ -55,27 +74,69 @@ class TargetRunner:
 
     @property
     def length(self) -> int:
+        """Columns in the cache (every row's length when there are no holes)."""
         return 0 if self.cache is None else self.cache.get_seq_length()
 
     @torch.no_grad()
-    def __call__(self, tokens: torch.Tensor):
-        """tokens [1, T] at positions length .. length + T - 1 -> (logits [T, V] float32,
-        features [1, T, F])."""
+    def __call__(self, tokens: torch.Tensor, valid: torch.Tensor | None = None):
+        """Append tokens [B, T] as T new columns at each row's next positions; `valid`
+        [B, T] bool (a prefix per row: right-padded prompts) marks the real ones.
+        Returns (logits [B, T, V] float32, features [B, T, F])."""
         from transformers import DynamicCache
 
+        b, t = tokens.shape
+        device = tokens.device
         if self.cache is None:
             self.cache = DynamicCache(config=self.model.config)
+            self.lengths = torch.zeros(b, dtype=torch.long, device=device)
+        positions = self.lengths[:, None] + torch.arange(t, device=device)
+        if valid is not None and self.mask is None:
+            self.mask = torch.ones(b, self.length, dtype=torch.bool, device=device)
+        kwargs = {}
+        if self.mask is not None:
+            new = valid if valid is not None else torch.ones(b, t, dtype=torch.bool,
+                                                             device=device)
+            self.mask = torch.cat([self.mask, new], 1)
+            kwargs["attention_mask"] = self.mask.long()
         # The cache object is updated in place (newer transformers call the argument `cache`).
-        out = self.model(input_ids=tokens, use_cache=True, **{self._cache_arg: self.cache})
+        out = self.model(input_ids=tokens, position_ids=positions, use_cache=True,
+                         **{self._cache_arg: self.cache}, **kwargs)
+        self.lengths = self.lengths + (t if valid is None else valid.sum(1))
+        self._last = t
         features = torch.cat([self._captured[i] for i in self.layer_ids], -1)
-        return out.logits[0].float(), features
+        return out.logits.float(), features
 
-    def rollback(self, length: int) -> None:
-        """Keep positions 0 .. length-1 (a negative crop removes that many tokens, in
-        every transformers release that has DynamicCache.crop)."""
-        remove = self.length - length
+    def keep(self, counts: torch.Tensor) -> None:
+        """Of the last call's T columns, row b keeps its first counts[b]; the others
+        become holes, and columns no row keeps are cropped."""
+        counts = counts.to(self.lengths.device)
+        t, total = self._last, self.length
+        start = total - t
+        self.lengths = self.lengths - t + counts
+        end = start + int(counts.max())
+        if self.mask is None and bool((counts == counts[0]).all()):
+            self._crop_to(end)                    # no holes: the plain path
+            return
+        if self.mask is None:
+            self.mask = torch.ones(len(counts), total, dtype=torch.bool,
+                                   device=self.lengths.device)
+        kept = torch.arange(t, device=counts.device)[None] < counts[:, None]
+        self.mask = torch.cat([self.mask[:, :start], kept], 1)[:, :end]
+        self._crop_to(end)
+
+    def _crop_to(self, columns: int) -> None:
+        """Keep the first `columns` columns (a negative crop removes that many, in every
+        transformers release that has DynamicCache.crop; newer ones refuse a positive one)."""
+        remove = self.length - columns
         if remove > 0:
             self.cache.crop(-remove)
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only the given rows (finished rows leave the batch)."""
+        self.cache.batch_select_indices(rows)
+        self.lengths = self.lengths[rows]
+        if self.mask is not None:
+            self.mask = self.mask[rows]
 
     def input_embedding(self) -> torch.Tensor:
         return self.model.get_input_embeddings().weight
@@ -159,10 +220,11 @@ class Draft:
 
 
 def draft_block(drafter: DFlashDraftModel, anchor: torch.Tensor, context, e_in, e_out,
-                sampling: "Sampling", generator: torch.Generator | None,
+                sampling: "Sampling", uniforms: torch.Tensor | None = None,
                 implementation: str = "torch") -> Draft:
     """One drafter pass and its proposal through the kernels (`implementation` "torch":
-    their PyTorch references; "triton": the Triton kernels).
+    their PyTorch references; "triton": the Triton kernels); `uniforms` [B, S] are the
+    draws at T > 0.
 
     DSpine: top-C from the final hidden states and the lm_head (no [B, K, V] logits), the
     transition table, the walk; q sparse over the candidates. DFlash at T = 0: top-1 the
@@ -171,9 +233,8 @@ def draft_block(drafter: DFlashDraftModel, anchor: torch.Tensor, context, e_in, 
     s = drafter.block_size - 1
     b = anchor.shape[0]
     temperature = sampling.temperature
-    uniforms = None
-    if temperature > 0:
-        uniforms = torch.rand(b, s, generator=generator).to(anchor.device)
+    if temperature > 0 and uniforms is None:
+        raise ValueError("draft_block at temperature > 0 needs uniforms [B, S]")
     chain = uses_chain(drafter)
     inject = None
     if isinstance(drafter, DSpineDraftModel) and drafter.config.switch("injection"):
@@ -205,59 +266,124 @@ class Generation:
     accept_lengths: list[int]   # tokens emitted per target verify pass
 
 
+class _RowDraws:
+    """Per-row uniforms from per-row CPU generators (a row's numbers do not depend on
+    the other rows), moved to the device."""
+
+    def __init__(self, seeds, device):
+        self.generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+        self.device = device
+
+    def __call__(self, count: int) -> torch.Tensor:
+        """[rows, count]."""
+        return torch.stack([torch.rand(count, generator=g) for g in self.generators]
+                           ).to(self.device)
+
+    def select(self, rows: list[int]) -> None:
+        self.generators = [self.generators[i] for i in rows]
+
+
 @torch.no_grad()
-def generate(target_model, drafter: DFlashDraftModel, prompt: list[int], *,
-             max_new_tokens: int = 64, sampling: Sampling = Sampling(), seed: int = 0,
-             eos_token_ids=(), ignore_eos: bool = False,
-             implementation: str = "torch") -> Generation:
-    """Speculative decoding of one prompt; at T = 0 the tokens equal the target's own
-    greedy decoding. `implementation` picks the kernels of the proposal, the injection
-    and the verification rule: "torch" (their PyTorch references) or "triton". Random
-    numbers come from a CPU generator seeded with `seed`, whatever the device."""
-    generator = torch.Generator().manual_seed(seed)
+def generate_batch(target_model, drafter: DFlashDraftModel, prompts: list[list[int]], *,
+                   max_new_tokens: int = 64, sampling: Sampling = Sampling(), seed: int = 0,
+                   seeds: list[int] | None = None, eos_token_ids=(), ignore_eos: bool = False,
+                   implementation: str = "torch") -> list[Generation]:
+    """Speculative decoding of B prompts of any lengths in one padded batch (see the
+    module docstring); at T = 0 each row's tokens equal the target's own greedy
+    decoding. `implementation` picks the kernels of the proposal, the injection and the
+    verification rule: "torch" (their PyTorch references) or "triton". Row i's random
+    numbers come from a CPU generator seeded with seeds[i] (default seed + i), whatever
+    the device and the rest of the batch."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate_batch needs at least one prompt, none of them empty")
+    b = len(prompts)
+    seeds = list(seeds) if seeds is not None else [seed + i for i in range(b)]
+    if len(seeds) != b:
+        raise ValueError(f"{len(seeds)} seeds for {b} prompts")
     target = TargetRunner(target_model, drafter.target_layer_ids)
     device = target.input_embedding().device
+    draws = _RowDraws(seeds, device)
+    sampled = sampling.temperature > 0
+    eos = set() if ignore_eos else set(eos_token_ids)
     try:
         e_in, e_out = target.input_embedding(), target.output_embedding()
-        logits, features = target(torch.tensor([prompt], device=device))
-        anchor = _sample_one(logits[-1], sampling, generator)
-        context = drafter.extend_context(drafter.new_context(1), features)
-        tokens, accept_lengths = [anchor], []
-        eos = set(eos_token_ids) if not ignore_eos else set()
-        while len(tokens) < max_new_tokens and not (tokens[-1] in eos):
-            start = target.length
-            anchor_t = torch.tensor([anchor], device=device)
-            draft = draft_block(drafter, anchor_t, context, e_in, e_out, sampling, generator,
-                                implementation)
-            block = torch.cat([anchor_t, draft.tokens[0]])[None]
+        lengths = torch.tensor([len(p) for p in prompts], device=device)
+        width = int(lengths.max())
+        padded = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=device)
+        valid = None
+        if b > 1 and bool((lengths < width).any()):
+            valid = torch.arange(width, device=device)[None] < lengths[:, None]
+        logits, features = target(padded, valid)                # right-padded prompts
+        last = logits[torch.arange(b, device=device), lengths - 1]          # [B, V]
+        anchor = _first_tokens(last, sampling, draws(1)[:, 0] if sampled else None)
+        context = drafter.extend_context(drafter.new_context(b), features, valid)
+        results = [Generation(tokens=[int(a)], accept_lengths=[]) for a in anchor.tolist()]
+        live = list(range(b))          # the batch row of each generation still running
+        k = drafter.block_size
+        while True:
+            running = [i for i, row in enumerate(live) if not _finished(
+                results[row], max_new_tokens, eos)]
+            if not running:
+                break
+            if len(running) < len(live):
+                rows = torch.tensor(running, device=device)
+                target.select(rows)
+                context = context.select(rows)
+                anchor = anchor[rows]
+                draws.select(running)
+                live = [live[i] for i in running]
+            draft = draft_block(drafter, anchor, context, e_in, e_out, sampling,
+                                draws(k - 1) if sampled else None, implementation)
+            block = torch.cat([anchor[:, None], draft.tokens], 1)         # [B, K]
             logits, features = target(block)
             u_accept = u_next = None
-            if sampling.temperature > 0:
-                u_accept = torch.rand(1, draft.tokens.shape[1], generator=generator).to(device)
-                u_next = torch.rand(1, generator=generator).to(device)
-            n, nxt = acceptance.accept(logits[None], draft.tokens, draft.q_ids, draft.q_probs,
+            if sampled:
+                u = draws(k)
+                u_accept, u_next = u[:, :-1], u[:, -1]
+            n, nxt = acceptance.accept(logits, draft.tokens, draft.q_ids, draft.q_probs,
                                        sampling.temperature, sampling.top_p, sampling.top_k,
                                        u_accept, u_next, implementation=implementation)
-            n, nxt = int(n[0]), int(nxt[0])
-            target.rollback(start + n + 1)
-            context = drafter.extend_context(context, features[:, :n + 1])
-            emitted = draft.tokens[0, :n].tolist() + [nxt]
-            for i, t in enumerate(emitted):
-                if t in eos:
-                    emitted = emitted[:i + 1]
-                    break
-            emitted = emitted[:max_new_tokens - len(tokens)]
-            tokens += emitted
-            accept_lengths.append(len(emitted))
+            target.keep(n + 1)
+            kept = torch.arange(k, device=device)[None] < (n + 1)[:, None]
+            context = drafter.extend_context(context, features, kept).trim()
+            for row, drafts, count, token in zip(live, draft.tokens.tolist(), n.tolist(),
+                                                 nxt.tolist()):
+                _emit(results[row], drafts[:count] + [token], max_new_tokens, eos)
             anchor = nxt
-        return Generation(tokens=tokens, accept_lengths=accept_lengths)
+        return results
     finally:
         target.close()
 
 
-def _sample_one(logits: torch.Tensor, sampling: Sampling, generator) -> int:
+def generate(target_model, drafter: DFlashDraftModel, prompt: list[int], *,
+             max_new_tokens: int = 64, sampling: Sampling = Sampling(), seed: int = 0,
+             eos_token_ids=(), ignore_eos: bool = False,
+             implementation: str = "torch") -> Generation:
+    """Speculative decoding of one prompt (a batch of one, see `generate_batch`)."""
+    [result] = generate_batch(target_model, drafter, [prompt], max_new_tokens=max_new_tokens,
+                              sampling=sampling, seeds=[seed], eos_token_ids=eos_token_ids,
+                              ignore_eos=ignore_eos, implementation=implementation)
+    return result
+
+
+def _finished(gen: Generation, max_new_tokens: int, eos: set) -> bool:
+    return len(gen.tokens) >= max_new_tokens or gen.tokens[-1] in eos
+
+
+def _emit(gen: Generation, emitted: list[int], max_new_tokens: int, eos: set) -> None:
+    """Append one verify pass's tokens, cut after an EOS and at the budget."""
+    for i, t in enumerate(emitted):
+        if t in eos:
+            emitted = emitted[:i + 1]
+            break
+    emitted = emitted[:max_new_tokens - len(gen.tokens)]
+    gen.tokens += emitted
+    gen.accept_lengths.append(len(emitted))
+
+
+def _first_tokens(logits: torch.Tensor, sampling: Sampling,
+                  u: torch.Tensor | None) -> torch.Tensor:
+    """logits [B, V] -> [B]: the argmax at T = 0, else the inverse-CDF draw at u [B]."""
     if sampling.temperature <= 0:
-        return int(logits.argmax())
-    probs = torch.softmax(warp_logits(logits, sampling.temperature, sampling.top_p,
-                                      sampling.top_k), -1)
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator)[0])  # CPU generator
+        return logits.argmax(-1)
+    return inverse_cdf(sampling.probabilities(logits), u)

@@ -20,7 +20,7 @@ def torch_stages(target_model, drafter: DFlashDraftModel, prompt: list[int], *,
     try:
         e_in, e_out = target.input_embedding(), target.output_embedding()
         logits, features = target(torch.tensor([prompt]))
-        first = logits[-1].argmax()[None]                              # [1]
+        first = logits[0, -1].argmax()[None]                              # [1]
         context = drafter.extend_context(drafter.new_context(1), features)
         out = drafter(first, context, e_in, e_out)
         proposal = drafter.propose(out, first, e_out)                  # T = 0
@@ -35,7 +35,7 @@ def torch_stages(target_model, drafter: DFlashDraftModel, prompt: list[int], *,
         if out.gates is not None:
             record["gates"] = out.gates
         block = torch.cat([first, proposal.tokens[0]])[None]
-        target_logits, _ = target(block)
+        target_logits = target(block)[0][0]                            # [K, V]
         record["target_logits"] = target_logits
         matches = (proposal.tokens[0] == target_logits[:-1].argmax(-1)).int()
         record["num_accepted"] = torch.cumprod(matches, 0).sum()

@@ -32,15 +32,25 @@ def next_power_of_2(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << max(0, int(n) - 1).bit_length())
 
 
-def warp_logits(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
-                top_k: int = 0) -> torch.Tensor:
+def warp_logits(logits: torch.Tensor, temperature, top_p=1.0, top_k=0) -> torch.Tensor:
     """Temperature, then top-k, then top-p (transformers' order); -inf outside the kept
     set. [..., C] float32. The same rule as `dspine_torch.modeling_dspine.warp_logits`
     (a test holds them equal); kernels keep their own copy to import nothing of the
-    library."""
-    scaled = logits.float() / (temperature if temperature > 0 else 1.0)
+    library. Each parameter is a number, or a tensor of logits' leading shape (one value
+    per row; a row's temperature <= 0 means 1, its top_k <= 0 means all)."""
+    if torch.is_tensor(temperature):
+        t = temperature.to(logits.device, torch.float32)[..., None]
+        scaled = logits.float() / torch.where(t > 0, t, torch.ones_like(t))
+    else:
+        scaled = logits.float() / (temperature if temperature > 0 else 1.0)
     width = scaled.shape[-1]
-    k = min(top_k, width) if top_k > 0 else width
+    if torch.is_tensor(top_k):
+        k = top_k.to(logits.device, torch.long)[..., None]
+        k = torch.where(k > 0, k.clamp(max=width), width)
+    else:
+        k = min(top_k, width) if top_k > 0 else width
+    if torch.is_tensor(top_p):
+        top_p = top_p.to(logits.device, torch.float32)[..., None]
     sorted_desc = torch.sort(scaled, -1, descending=True).values
     rank = torch.arange(width, device=scaled.device)
     sorted_desc = torch.where(rank < k, sorted_desc, float("-inf"))
