@@ -33,8 +33,8 @@ a preemption. Stop token ids and EOS end a request here (the EOS is kept in its 
 as the library does); stop strings need text and are applied by the server on
 detokenized output (it then calls `abort`).
 
-Shape legend: S slots, R rows in a decode call, G rows in a prefill call, T prefill chunk, N output buffer
-(max_model_len).
+Shape legend: S slots, R rows in a decode call, G rows in a prefill call, T prefill chunk,
+N output buffer (max_model_len).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspine_jax.decoding import BatchDecoder, bucket
+from dspine_jax.decoding import BatchDecoder
 from dspine_jax.errors import InputError
 from dspine_jax.kv_cache import pages_needed
 from dspine_jax.sampling import SamplingParams, validate_sampling
@@ -182,6 +182,11 @@ class EngineCore:
         self.eos = tuple(int(t) for t in np.asarray(decoder.eos).tolist() if t >= 0)
         self.preemptions = 0
         self._params = decoder.params()
+        self._steps = slot_steps.compiled(decoder)
+        # what shapes the state: a key of every compiled call (cores share a decoder's)
+        self._shapes = (max_slots, num_pages, max_model_len)
+        self._row_sizes = slot_steps.row_buckets(max_slots)
+        self._chunk_sizes = slot_steps.row_buckets(prefill_chunk, minimum=16)
         self._pages = SlotPages(max_slots, num_pages, decoder.page_size, max_model_len)
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: dict[int, _Request] = {}      # slot -> request
@@ -341,8 +346,7 @@ class EngineCore:
         slots = np.full((self.max_slots,), self.max_slots, np.int32)
         slots[:len(self._released)] = self._released
         self._released = []
-        self._state = slot_steps.compiled(self.decoder, "release")(self._state,
-                                                                   jnp.asarray(slots))
+        self._state = self._steps("release", self._shapes, self._state, jnp.asarray(slots))
 
     # ----- device calls --------------------------------------------------------------------
     def _prefill(self) -> None:
@@ -352,58 +356,73 @@ class EngineCore:
         rows = [r for r in self._running.values() if r.filled < len(r.fill)]
         if not rows:
             return
-        g = min(bucket(len(rows), minimum=1), self.max_slots)
-        t = min(bucket(max(len(r.fill) - r.filled for r in rows)), self.prefill_chunk)
-        s = self.max_slots
-        slots = np.full((g,), s, np.int32)             # padding rows aim at slot S
-        start_slots = np.full((g,), s, np.int32)
-        tokens = np.zeros((g, t), np.int32)
-        q_lens = np.zeros((g,), np.int32)
-        budget = np.ones((g,), np.int32)
-        seeds = np.zeros((g,), np.uint32)
-        temperature, top_p = np.zeros((g,), np.float32), np.ones((g,), np.float32)
-        top_k, ignore = np.zeros((g,), np.int32), np.zeros((g,), bool)
-        resume_token = np.full((g,), -1, np.int32)
-        resume_count = np.zeros((g,), np.int32)
+        g = slot_steps.bucket_up(len(rows), self._row_sizes)
+        longest = max(len(r.fill) - r.filled for r in rows)
+        t = slot_steps.bucket_up(min(longest, self.prefill_chunk), self._chunk_sizes)
+        a = self._prefill_arrays(g, t)
         for i, r in enumerate(rows):
             chunk = r.fill[r.filled:r.filled + t]
-            slots[i], q_lens[i], tokens[i, :len(chunk)] = r.slot, len(chunk), chunk
+            a["slots"][i], a["q_lens"][i], a["tokens"][i, :len(chunk)] = (
+                r.slot, len(chunk), chunk)
             r.filled += len(chunk)
             if r.filled < len(r.fill):
                 continue
             o = r.options
-            start_slots[i], budget[i], seeds[i] = r.slot, o.max_tokens, r.seed % 2 ** 32
-            temperature[i], top_p[i], top_k[i], ignore[i] = (o.temperature, o.top_p, o.top_k,
-                                                             o.ignore_eos)
+            a["start_slots"][i], a["budget"][i], a["seeds"][i] = (
+                r.slot, o.max_tokens, r.seed % 2 ** 32)
+            a["temperature"][i], a["top_p"][i], a["top_k"][i], a["ignore"][i] = (
+                o.temperature, o.top_p, o.top_k, o.ignore_eos)
             if r.tokens:
-                resume_token[i], resume_count[i] = r.tokens[-1], len(r.tokens)
+                a["resume_token"][i], a["resume_count"][i] = r.tokens[-1], len(r.tokens)
             r.decoding = True
+        self._state = self._steps("prefill", (self._shapes, g, t), *self._prefill_args(a))
+
+    def _prefill_arrays(self, g: int, t: int) -> dict:
+        """Host arrays of a prefill call of g rows and chunk t, every row padding (aimed
+        at slot S)."""
+        s = self.max_slots
+        return dict(slots=np.full((g,), s, np.int32), tokens=np.zeros((g, t), np.int32),
+                    q_lens=np.zeros((g,), np.int32), start_slots=np.full((g,), s, np.int32),
+                    budget=np.ones((g,), np.int32), seeds=np.zeros((g,), np.uint32),
+                    temperature=np.zeros((g,), np.float32), top_p=np.ones((g,), np.float32),
+                    top_k=np.zeros((g,), np.int32), ignore=np.zeros((g,), bool),
+                    resume_token=np.full((g,), -1, np.int32),
+                    resume_count=np.zeros((g,), np.int32))
+
+    def _prefill_args(self, a: dict) -> tuple:
         # Prefill traces sampling even for greedy groups (argmax rows stay argmax): one
         # token per row costs little, and it halves the prefill variants to compile.
-        sampling = SamplingParams(jnp.asarray(temperature), jnp.asarray(top_p),
-                                  jnp.asarray(top_k), all_greedy=False)
-        self._state = slot_steps.compiled(self.decoder, "prefill")(
-            self._params, self._state, jnp.asarray(self._pages.table), jnp.asarray(slots),
-            jnp.asarray(tokens), jnp.asarray(q_lens), jnp.asarray(start_slots), sampling,
-            jnp.asarray(budget), jnp.asarray(seeds), jnp.asarray(ignore),
-            jnp.asarray(resume_token), jnp.asarray(resume_count))
+        sampling = SamplingParams(jnp.asarray(a["temperature"]), jnp.asarray(a["top_p"]),
+                                  jnp.asarray(a["top_k"]), all_greedy=False)
+        put = jnp.asarray
+        return (self._params, self._state, put(self._pages.table), put(a["slots"]),
+                put(a["tokens"]), put(a["q_lens"]), put(a["start_slots"]), sampling,
+                put(a["budget"]), put(a["seeds"]), put(a["ignore"]), put(a["resume_token"]),
+                put(a["resume_count"]))
 
     def _decode(self) -> None:
-        """One decode call over the decoding slots only, padded to a power-of-two count."""
+        """One decode call over the decoding slots only, padded to a bucket of rows."""
         self._flush_releases()
         decoding = sorted(s for s, r in self._running.items() if r.decoding)
-        r = min(bucket(len(decoding), minimum=1), self.max_slots)
-        slots = np.full((r,), self.max_slots, np.int32)       # padding rows aim at slot S
+        rows = slot_steps.bucket_up(len(decoding), self._row_sizes)
+        slots = np.full((rows,), self.max_slots, np.int32)     # padding rows aim at slot S
         slots[:len(decoding)] = decoding
-        pick = lambda x, fill: np.where(slots < self.max_slots,  # noqa: E731
-                                        x[np.minimum(slots, self.max_slots - 1)], fill)
+        key, args = self._decode_args(slots)
+        self._state = self._steps("decode", key, *args)
+
+    def _decode_args(self, slots: np.ndarray, greedy: bool | None = None):
+        """(key, args) of a decode call over slots [R]; `greedy` overrides the rows' own
+        (warm-up compiles both variants)."""
+        real = slots < self.max_slots
+        row = np.minimum(slots, self.max_slots - 1)
+        pick = lambda x, fill: np.where(real, x[row], fill)  # noqa: E731
         temperature = pick(self._temperature, 0.0)
+        greedy = bool((temperature == 0).all()) if greedy is None else greedy
         sampling = SamplingParams(jnp.asarray(temperature), jnp.asarray(pick(self._top_p, 1.0)),
-                                  jnp.asarray(pick(self._top_k, 0)),
-                                  all_greedy=bool((temperature == 0).all()))
-        self._state = slot_steps.compiled(self.decoder, "decode")(
-            self._params, self._state, jnp.asarray(self._pages.table), jnp.asarray(slots),
-            sampling, jnp.asarray(pick(self._ignore_eos, False)))
+                                  jnp.asarray(pick(self._top_k, 0)), all_greedy=greedy)
+        args = (self._params, self._state, jnp.asarray(self._pages.table), jnp.asarray(slots),
+                sampling, jnp.asarray(pick(self._ignore_eos, False)))
+        return (self._shapes, len(slots), greedy), args
 
     def _collect(self) -> list[RequestOutput]:
         s = self._state
@@ -440,20 +459,25 @@ class EngineCore:
                              completion_tokens=len(r.tokens))
 
     def warmup(self) -> float:
-        """Compile before serving: the decode call at every row bucket (1, 2, 4 ...
-        max_slots), greedy and sampled, and the prefill of as many requests at the shortest
-        chunk (longer chunks compile when first met). Returns seconds."""
+        """Compile before serving: every decode call (each row bucket, greedy and sampled),
+        every prefill call (each row bucket x chunk bucket) and the release call, in
+        parallel; then one request end to end. Returns seconds."""
         t0 = time.perf_counter()
+        s = self.max_slots
+        every_slot = jnp.asarray(np.full((s,), s, np.int32))
+        calls = [("release", self._shapes, (self._state, every_slot))]
+        for r, greedy in itertools.product(self._row_sizes, (True, False)):
+            key, args = self._decode_args(np.full((r,), s, np.int32), greedy)
+            calls.append(("decode", key, args))
+        for g, t in itertools.product(self._row_sizes, self._chunk_sizes):
+            args = self._prefill_args(self._prefill_arrays(g, t))
+            calls.append(("prefill", (self._shapes, g, t), args))
+        self._steps.precompile(calls)
         n = max(1, min(8, self.max_model_len - self.decoder.extra_capacity - 2))
-        groups = sorted({min(bucket(g, minimum=1), self.max_slots)
-                         for g in range(1, self.max_slots + 1)})
-        for temperature, group in itertools.product((0.0, 1.0), groups):
-            for i in range(group):
-                self.add_request(f"__warmup_{temperature}_{i}", [0] * n, SamplingOptions(
-                    max_tokens=2, temperature=temperature, seed=0, ignore_eos=True))
-            while self.has_work():
-                self.step()
-        self.preemptions = 0
+        self.add_request("__warmup", [0] * n, SamplingOptions(
+            max_tokens=2, temperature=0.0, seed=0, ignore_eos=True))
+        while self.has_work():
+            self.step()
         return time.perf_counter() - t0
 
 
