@@ -292,15 +292,26 @@ def data_regenerate(
     target: str = typer.Option(DEFAULT_TARGET, help="Built-in name, HF folder or .gguf file."),
     source: str = typer.Option("sharegpt", help="sharegpt (training split), "
                                "sharegpt:heldout, or a JSONL prompts file."),
+    turns: str = typer.Option("first", help="ShareGPT: 'first' human turn of each "
+                              "conversation, or 'all' human turns, each with the turns before "
+                              "it as chat context (cut from the left by whole turns to fit)."),
     limit: Optional[int] = typer.Option(None, min=1, help="Use the first N prompts."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1),
     max_prompt_tokens: int = typer.Option(512, "--max-prompt-tokens", min=1,
-                                          help="Longer prompts are skipped (and counted)."),
-    temperature: float = typer.Option(0.0),
+                                          help="Longer prompts lose their earliest turns, or "
+                                               "are skipped if their last turn is too long "
+                                               "(both counted)."),
+    temperatures: str = typer.Option("0", "--temperatures", metavar="T[,T...]",
+                                     help="Answer every prompt at each of these "
+                                          "temperatures, e.g. 0,0.7,1."),
+    samples_per_prompt: int = typer.Option(1, "--samples-per-prompt", min=1,
+                                           help="Responses per prompt at each T > 0 "
+                                                "(T = 0 gives one)."),
     top_p: float = typer.Option(1.0, "--top-p"),
     seed: int = typer.Option(0),
     batch_size: int = typer.Option(32, "--batch-size", min=1),
-    shard_size: int = typer.Option(256, "--shard-size", min=1),
+    shard_size: int = typer.Option(256, "--shard-size", min=1,
+                                   help="Prompts per shard (with all their responses)."),
     dtype: str = typer.Option("auto"),
 ):
     """Regenerate responses with the target itself: the drafters' training data."""
@@ -308,18 +319,27 @@ def data_regenerate(
         from dspine_jax.sampling import validate_sampling
         from dspine_train.regenerate import regenerate
 
-        validate_sampling(temperature, top_p, 0)
-        manifest = regenerate(out, target=target, source=source, limit=limit,
+        try:
+            temps = [float(t) for t in temperatures.split(",") if t.strip()]
+        except ValueError:
+            raise InputError(f"--temperatures expects numbers separated by commas, got "
+                             f"{temperatures!r}") from None
+        for t in temps:
+            validate_sampling(t, top_p, 0)
+        manifest = regenerate(out, target=target, source=source, turns=turns, limit=limit,
                               max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
-                              temperature=temperature, top_p=top_p, seed=seed,
-                              batch_size=batch_size, shard_size=shard_size, dtype=dtype)
+                              temperatures=temps, samples_per_prompt=samples_per_prompt,
+                              top_p=top_p, seed=seed, batch_size=batch_size,
+                              shard_size=shard_size, dtype=dtype)
     except DSpineError as e:
         _fail(e)
     shards = [s for s in manifest["shards"] if s["file"]]
     typer.echo(f"{out}: {sum(s['sequences'] for s in shards)} sequences, "
                f"{sum(s['response_tokens'] for s in shards)} response tokens in {len(shards)} "
-               f"shards; {manifest['skipped_long_prompts']} prompts skipped as longer than "
-               f"{max_prompt_tokens} tokens")
+               f"{manifest['token_dtype']} shards; {manifest['skipped_long_prompts']} prompts "
+               f"skipped as longer than {max_prompt_tokens} tokens, "
+               f"{manifest['truncated_prompts']} cut to fit "
+               f"({manifest['dropped_context_turns']} context turns dropped)")
 
 
 @data_app.command("features", short_help="Cache the target's features for a config.")

@@ -1,10 +1,18 @@
 """`dspine data regenerate`: prompts -> the target's own responses, as token shards.
 
 Drafters learn to predict the target, so their training data is what the target itself
-says (T = 0 by default). Prompts go through the chat template, are decoded in batches by
-the same engine as everything else, and land in shards of `shard_size` prompts with a loss
-mask on the response tokens. Rerunning the same command resumes after the last finished
-shard; a different command on the same folder is refused rather than mixed in.
+says. Prompts go through the chat template; with `turns="all"` every human turn of a
+ShareGPT conversation is a prompt, with the turns before it as its context, cut from the
+left by whole turns to fit `max_prompt_tokens` (cut prompts and dropped turns are counted
+in the manifest; a prompt whose last turn alone is too long is skipped and counted).
+Each prompt is answered once per temperature in `temperatures`, `samples_per_prompt`
+times at every T > 0 (greedy answers would repeat: T = 0 gives one). Responses are
+decoded in full batches by the same engine as everything else and land in shards of
+`shard_size` prompts (all of their responses) with a loss mask on the response tokens.
+
+Rerunning the same command resumes after the last finished shard; a different command on
+the same folder (any setting that changes the data, or a folder made by an older
+version) is refused rather than mixed in.
 """
 
 from __future__ import annotations
@@ -14,30 +22,62 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from dspine_jax.data.prompts import jsonl_prompts, sharegpt_prompts
-from dspine_jax.data.shards import (MANIFEST, Sequence, read_manifest, write_manifest,
-                                    write_shard)
+from dspine_jax.data.prompts import fit_chat, jsonl_prompts, sharegpt_prompts
+from dspine_jax.data.shards import (MANIFEST, Sequence, read_manifest, token_dtype,
+                                    write_manifest, write_shard)
 from dspine_jax.decoding import padded_batch
 from dspine_jax.errors import InputError
 
+FORMAT = 2  # manifest format: 1 (no field) had one temperature, first turns, int32 shards
+COUNTERS = ("skipped_long_prompts", "truncated_prompts", "dropped_context_turns")
 
-def load_prompts(source: str) -> list[dict]:
+
+def load_prompts(source: str, turns: str = "first") -> list[dict]:
     if source in ("sharegpt", "sharegpt:train"):
-        return sharegpt_prompts("train")
+        return sharegpt_prompts("train", turns=turns)
     if source == "sharegpt:heldout":
-        return sharegpt_prompts("heldout")
+        return sharegpt_prompts("heldout", turns=turns)
+    if turns != "first":
+        raise InputError("--turns applies to ShareGPT; a JSONL file gives each prompt's "
+                         'context itself (a "messages" list)')
     return jsonl_prompts(Path(source))
 
 
-def regenerate(out: Path, *, target: str, source: str = "sharegpt", limit: int | None = None,
-               max_new_tokens: int = 256, max_prompt_tokens: int = 512,
-               temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+def response_plan(temperatures: list[float], samples_per_prompt: int) -> list[float]:
+    """One temperature per response of a prompt: T = 0 once, every T > 0 n times."""
+    return [t for t in temperatures for _ in range(1 if t == 0 else samples_per_prompt)]
+
+
+def encode(tokenizer, prompt: dict, max_tokens: int) -> tuple[list[int], int] | None:
+    """(ids, context turns dropped) of a prompt, or None when it cannot fit."""
+    if prompt["chat"]:
+        messages = prompt.get("messages") or [{"role": "user", "content": prompt["prompt"]}]
+        return fit_chat(tokenizer, messages, max_tokens)
+    ids = tokenizer.encode(prompt["prompt"])
+    return (ids, 0) if len(ids) <= max_tokens else None
+
+
+def batch_seed(seed: int, shard: int, temperature_index: int, batch: int) -> int:
+    return int(np.random.SeedSequence([seed, shard, temperature_index, batch])
+               .generate_state(1)[0])
+
+
+def regenerate(out: Path, *, target: str, source: str = "sharegpt", turns: str = "first",
+               limit: int | None = None, max_new_tokens: int = 256,
+               max_prompt_tokens: int = 512, temperatures: list[float] = (0.0,),
+               samples_per_prompt: int = 1, top_p: float = 1.0, seed: int = 0,
                batch_size: int = 32, shard_size: int = 256, dtype: str = "auto") -> dict:
-    from dspine_jax.api import Pipeline, Prompt
+    from dspine_jax.api import Pipeline
 
     out = Path(out)
-    settings = dict(target=target, source=source, limit=limit, max_new_tokens=max_new_tokens,
-                    max_prompt_tokens=max_prompt_tokens, temperature=temperature,
+    temperatures = [float(t) for t in temperatures]
+    if not temperatures or len(set(temperatures)) != len(temperatures):
+        raise InputError(f"temperatures must be distinct values, got {temperatures}")
+    if samples_per_prompt < 1:
+        raise InputError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
+    settings = dict(format=FORMAT, target=target, source=source, turns=turns, limit=limit,
+                    max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
+                    temperatures=temperatures, samples_per_prompt=samples_per_prompt,
                     top_p=top_p, seed=seed, shard_size=shard_size)
     if (out / MANIFEST).is_file():
         manifest = read_manifest(out)
@@ -47,36 +87,61 @@ def regenerate(out: Path, *, target: str, source: str = "sharegpt", limit: int |
                              " choose another --out or rerun with the same options")
     else:
         out.mkdir(parents=True, exist_ok=True)
-        manifest = dict(settings=settings, shards=[], skipped_long_prompts=0)
-    prompts = load_prompts(source)[:limit]
+        manifest = dict(settings=settings, token_dtype=None, shards=[],
+                        **{name: 0 for name in COUNTERS})
+    prompts = load_prompts(source, turns)[:limit]
     done = sum(s["prompts"] for s in manifest["shards"])
     pipe = Pipeline.load(target, dtype=dtype)
-    progress = tqdm(total=len(prompts), initial=done, unit="prompt", desc="regenerate")
-    rows = min(batch_size, len(prompts))  # every batch this size: one shape per prompt bucket
+    vocab = max(pipe.decoder.config.vocab_size, pipe.tokenizer.vocab_size)
+    manifest["token_dtype"] = manifest["token_dtype"] or token_dtype(vocab)
+    plan = response_plan(temperatures, samples_per_prompt)
+    progress = tqdm(total=len(prompts) * len(plan), initial=done * len(plan), unit="response",
+                    desc="regenerate")
+    # Every batch this size: one compiled shape per prompt bucket, not per batch size.
+    rows = min(batch_size, len(prompts) * len(plan))
     for start in range(done, len(prompts), shard_size):
+        shard = len(manifest["shards"])
         chunk = prompts[start:start + shard_size]
-        encoded = [pipe.encode(Prompt(p["prompt"], p["chat"])) for p in chunk]
-        keep = [ids for ids in encoded if len(ids) <= max_prompt_tokens]
+        counts = dict.fromkeys(COUNTERS, 0)
+        encoded = []
+        for p in chunk:
+            fitted = encode(pipe.tokenizer, p, max_prompt_tokens)
+            if fitted is None:
+                counts["skipped_long_prompts"] += 1
+                continue
+            encoded.append(fitted[0])
+            counts["truncated_prompts"] += fitted[1] > 0
+            counts["dropped_context_turns"] += fitted[1]
+        # responses[i][j]: prompt i's response j (plan order), filled per temperature
+        responses = [[None] * len(plan) for _ in encoded]
+        for ti, t in enumerate(temperatures):
+            items = [(i, j) for i in range(len(encoded)) for j, tj in enumerate(plan)
+                     if tj == t]
+            items.sort(key=lambda item: len(encoded[item[0]]))  # similar lengths together
+            for b in range(0, len(items), batch_size):
+                batch = items[b:b + batch_size]
+                result = pipe.decoder.generate(
+                    padded_batch([encoded[i] for i, _ in batch], rows),
+                    max_new_tokens=max_new_tokens, temperature=t, top_p=top_p,
+                    seed=batch_seed(seed, shard, ti, b // batch_size))
+                for (i, j), gen in zip(batch, result.generations):  # pad rows dropped
+                    responses[i][j] = gen.tokens
+                progress.update(len(batch))
         sequences = []
-        for b in range(0, len(keep), batch_size):
-            batch = keep[b:b + batch_size]
-            # Full-size batches only: one compiled shape per prompt bucket, not per size.
-            result = pipe.decoder.generate(padded_batch(batch, rows),
-                                           max_new_tokens=max_new_tokens,
-                                           temperature=temperature, top_p=top_p,
-                                           seed=seed + start + b)
-            for ids, gen in zip(batch, result.generations):  # pad rows dropped
-                tokens = np.asarray(ids + gen.tokens, np.int32)
-                mask = np.arange(len(tokens)) >= len(ids)
-                sequences.append(Sequence(tokens, mask))
-            progress.update(len(batch))
-        progress.update(len(chunk) - len(keep))
-        name = write_shard(out, len(manifest["shards"]), sequences) if sequences else None
+        for ids, answers in zip(encoded, responses):
+            for answer in answers:
+                tokens = np.asarray(ids + answer, np.int32)
+                sequences.append(Sequence(tokens, np.arange(len(tokens)) >= len(ids)))
+        progress.update((len(chunk) - len(encoded)) * len(plan))
+        name = (write_shard(out, shard, sequences, manifest["token_dtype"])
+                if sequences else None)
         manifest["shards"].append(dict(file=name, prompts=len(chunk), sequences=len(sequences),
                                        tokens=int(sum(len(s.tokens) for s in sequences)),
                                        response_tokens=int(sum(s.loss_mask.sum()
-                                                               for s in sequences))))
-        manifest["skipped_long_prompts"] += len(chunk) - len(keep)
+                                                               for s in sequences)),
+                                       **counts))
+        for key, value in counts.items():
+            manifest[key] += value
         write_manifest(out, manifest)
     progress.close()
     return manifest
