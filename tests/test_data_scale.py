@@ -145,6 +145,9 @@ def test_temperatures_samples_resume_and_refusal(tiny, tmp_path, monkeypatch):
     from dspine_jax.tokenizer import TextTokenizer
     import dspine_train.regenerate as regen
 
+    pipe = Pipeline.load(str(tiny / "model"))
+    # One pipeline for every run below: its compiled programs are reused (test time).
+    monkeypatch.setattr(Pipeline, "load", classmethod(lambda cls, *a, **k: pipe))
     kw = dict(target=str(tiny / "model"), source=str(tiny / "prompts.jsonl"),
               max_new_tokens=12, max_prompt_tokens=80, temperatures=[0.0, 1.0],
               samples_per_prompt=2, batch_size=4, shard_size=3)
@@ -159,7 +162,6 @@ def test_temperatures_samples_resume_and_refusal(tiny, tmp_path, monkeypatch):
     assert len(sequences) == 5 * 3
     tok = TextTokenizer.from_hf_folder(tiny / "model")
     prompts = jsonl_prompts(tiny / "prompts.jsonl")
-    pipe = Pipeline.load(str(tiny / "model"))
     for i in (0, 1):
         ids = fit_chat(tok, prompts[i]["messages"], 80)[0]
         assert ids == tok.encode_chat(prompts[i]["messages"][2 * i:])
