@@ -363,6 +363,14 @@ def data_features(
 def train(
     config: Optional[Path] = typer.Option(None, "--config", help="TOML config file."),
     overrides: list[str] = typer.Option([], "--set", help="section.key=value (repeatable)."),
+    resume_from: Optional[Path] = typer.Option(
+        None, "--resume-from", metavar="RUN_DIR",
+        help="Continue another run folder's latest checkpoint (weights, optimizer, step, "
+             "data position) in this run.out: the next link of a chain (run.resume_from)."),
+    init_from: Optional[Path] = typer.Option(
+        None, "--init-from", metavar="DIR",
+        help="Start from the weights alone of a run folder (its latest checkpoint) or an "
+             "exported drafter: fresh optimizer, step 0 (drafter.init_from)."),
     distributed: bool = typer.Option(False, "--distributed",
                                      help="Multi-process (TPU pod, multi-host, or one process "
                                           "per GPU): call jax.distributed.initialize() first."),
@@ -386,7 +394,9 @@ def train(
         from dspine_train.config import load_config
         from dspine_train.trainer import train as run_training
 
-        summary = run_training(load_config(config, overrides))
+        extra = ([f"run.resume_from={json.dumps(str(resume_from))}"] if resume_from else []) + \
+            ([f"drafter.init_from={json.dumps(str(init_from))}"] if init_from else [])
+        summary = run_training(load_config(config, [*overrides, *extra]))
     except DSpineError as e:
         _fail(e)
     status = "finished" if summary["finished"] else "stopped"
