@@ -63,7 +63,8 @@ def plot_rows(rows: list[dict], png: Path, boundaries: tuple = (), title: str = 
             ax.axvline(b, color="grey", linestyle=":", linewidth=1)
         ax.set_title(name)
         ax.set_xlabel("step")
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
