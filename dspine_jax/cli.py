@@ -313,6 +313,9 @@ def data_regenerate(
     shard_size: int = typer.Option(256, "--shard-size", min=1,
                                    help="Prompts per shard (with all their responses)."),
     dtype: str = typer.Option("auto"),
+    engine: str = typer.Option("batch", help="batch: full batches (--batch-size rows) of one "
+                               "temperature until their longest row ends; slots: continuous "
+                               "batching over --batch-size slots, a seed per response."),
 ):
     """Regenerate responses with the target itself: the drafters' training data."""
     try:
@@ -330,7 +333,7 @@ def data_regenerate(
                               max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
                               temperatures=temps, samples_per_prompt=samples_per_prompt,
                               top_p=top_p, seed=seed, batch_size=batch_size,
-                              shard_size=shard_size, dtype=dtype)
+                              shard_size=shard_size, dtype=dtype, engine=engine)
     except DSpineError as e:
         _fail(e)
     shards = [s for s in manifest["shards"] if s["file"]]

@@ -206,3 +206,31 @@ def test_temperatures_samples_resume_and_refusal(tiny, tmp_path, monkeypatch):
         regen.regenerate(out, **kw)
     with pytest.raises(InputError, match="--turns applies to ShareGPT"):
         regen.regenerate(tmp_path / "x", **{**kw, "turns": "all"})
+
+
+def test_slot_engine_gives_each_response_its_own_seed(tiny, tmp_path, monkeypatch):
+    """Continuous batching: a response does not depend on the responses decoded beside
+    it, and T = 0 is the target's greedy answer."""
+    from dspine_jax.api import Pipeline
+    from dspine_jax.tokenizer import TextTokenizer
+    import dspine_train.regenerate as regen
+
+    pipe = Pipeline.load(str(tiny / "model"))
+    monkeypatch.setattr(Pipeline, "load", classmethod(lambda cls, *a, **k: pipe))
+    kw = dict(target=str(tiny / "model"), source=str(tiny / "prompts.jsonl"),
+              max_new_tokens=12, max_prompt_tokens=80, temperatures=[0.0, 1.0],
+              samples_per_prompt=2, batch_size=4, engine="slots")
+    runs = {}
+    for shard in (2, 6):  # other responses beside each one (one compiled engine: test time)
+        manifest = regen.regenerate(tmp_path / f"shard{shard}", shard_size=shard, **kw)
+        assert manifest["settings"]["engine"] == "slots"
+        runs[shard] = [s.tokens.tolist() for s in load_dataset(tmp_path / f"shard{shard}")]
+    assert runs[2] == runs[6] and len(runs[2]) == 5 * 3
+    tok = TextTokenizer.from_hf_folder(tiny / "model")
+    prompts = jsonl_prompts(tiny / "prompts.jsonl")
+    ids = tok.encode_chat(prompts[2]["messages"])
+    want = pipe.decoder.generate([ids], max_new_tokens=12).generations[0].tokens
+    assert runs[2][2 * 3] == ids + want
+    assert runs[2][2 * 3 + 1] != runs[2][2 * 3 + 2]
+    with pytest.raises(InputError, match="other settings \\(engine\\)"):
+        regen.regenerate(tmp_path / "shard2", shard_size=2, **{**kw, "engine": "batch"})

@@ -7,8 +7,11 @@ left by whole turns to fit `max_prompt_tokens` (cut prompts and dropped turns ar
 in the manifest; a prompt whose last turn alone is too long is skipped and counted).
 Each prompt is answered once per temperature in `temperatures`, `samples_per_prompt`
 times at every T > 0 (greedy answers would repeat: T = 0 gives one). Responses are
-decoded in full batches by the same engine as everything else and land in shards of
-`shard_size` prompts (all of their responses) with a loss mask on the response tokens.
+decoded by the same engines as everything else: `engine="batch"`, full batches of one
+temperature that run until their longest row ends, or `engine="slots"`, the serving
+engine's continuous batching (a finished row takes the next response at once; every
+response draws from its own seed). They land in shards of `shard_size` prompts (all of
+their responses) with a loss mask on the response tokens.
 
 Rerunning the same command resumes after the last finished shard; a different command on
 the same folder (any setting that changes the data, or a folder made by an older
@@ -66,19 +69,22 @@ def regenerate(out: Path, *, target: str, source: str = "sharegpt", turns: str =
                limit: int | None = None, max_new_tokens: int = 256,
                max_prompt_tokens: int = 512, temperatures: list[float] = (0.0,),
                samples_per_prompt: int = 1, top_p: float = 1.0, seed: int = 0,
-               batch_size: int = 32, shard_size: int = 256, dtype: str = "auto") -> dict:
+               batch_size: int = 32, shard_size: int = 256, dtype: str = "auto",
+               engine: str = "batch") -> dict:
     from dspine_jax.api import Pipeline
 
     out = Path(out)
     temperatures = [float(t) for t in temperatures]
     if not temperatures or len(set(temperatures)) != len(temperatures):
         raise InputError(f"temperatures must be distinct values, got {temperatures}")
+    if engine not in ("batch", "slots"):
+        raise InputError(f"engine must be 'batch' or 'slots', got {engine!r}")
     if samples_per_prompt < 1:
         raise InputError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
     settings = dict(format=FORMAT, target=target, source=source, turns=turns, limit=limit,
                     max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
                     temperatures=temperatures, samples_per_prompt=samples_per_prompt,
-                    top_p=top_p, seed=seed, shard_size=shard_size)
+                    top_p=top_p, seed=seed, shard_size=shard_size, engine=engine)
     if (out / MANIFEST).is_file():
         manifest = read_manifest(out)
         if manifest["settings"] != settings:
@@ -99,34 +105,33 @@ def regenerate(out: Path, *, target: str, source: str = "sharegpt", turns: str =
                     desc="regenerate")
     # Every batch this size: one compiled shape per prompt bucket, not per batch size.
     rows = min(batch_size, len(prompts) * len(plan))
+    core = None
+    if engine == "slots":
+        from dspine_serve.engine_core import EngineCore
+
+        core = EngineCore(pipe.decoder, max_slots=rows,
+                          max_model_len=min(max_prompt_tokens + max_new_tokens,
+                                            pipe.decoder.config.max_position_embeddings))
     for start in range(done, len(prompts), shard_size):
         shard = len(manifest["shards"])
         chunk = prompts[start:start + shard_size]
         counts = dict.fromkeys(COUNTERS, 0)
-        encoded = []
-        for p in chunk:
+        encoded, index = [], []  # the prompts that fit, and their index in the source
+        for k, p in enumerate(chunk):
             fitted = encode(pipe.tokenizer, p, max_prompt_tokens)
             if fitted is None:
                 counts["skipped_long_prompts"] += 1
                 continue
             encoded.append(fitted[0])
+            index.append(start + k)
             counts["truncated_prompts"] += fitted[1] > 0
             counts["dropped_context_turns"] += fitted[1]
-        # responses[i][j]: prompt i's response j (plan order), filled per temperature
-        responses = [[None] * len(plan) for _ in encoded]
-        for ti, t in enumerate(temperatures):
-            items = [(i, j) for i in range(len(encoded)) for j, tj in enumerate(plan)
-                     if tj == t]
-            items.sort(key=lambda item: len(encoded[item[0]]))  # similar lengths together
-            for b in range(0, len(items), batch_size):
-                batch = items[b:b + batch_size]
-                result = pipe.decoder.generate(
-                    padded_batch([encoded[i] for i, _ in batch], rows),
-                    max_new_tokens=max_new_tokens, temperature=t, top_p=top_p,
-                    seed=batch_seed(seed, shard, ti, b // batch_size))
-                for (i, j), gen in zip(batch, result.generations):  # pad rows dropped
-                    responses[i][j] = gen.tokens
-                progress.update(len(batch))
+        if engine == "slots":
+            responses = decode_slots(core, encoded, index, plan, seed, max_new_tokens, top_p,
+                                     progress)
+        else:
+            responses = decode_batches(pipe.decoder, encoded, plan, temperatures, shard, seed,
+                                       max_new_tokens, top_p, rows, progress)
         sequences = []
         for ids, answers in zip(encoded, responses):
             for answer in answers:
@@ -145,3 +150,46 @@ def regenerate(out: Path, *, target: str, source: str = "sharegpt", turns: str =
         write_manifest(out, manifest)
     progress.close()
     return manifest
+
+
+def decode_batches(decoder, encoded, plan, temperatures, shard, seed, max_new_tokens, top_p,
+                   rows, progress) -> list[list[list[int]]]:
+    """responses[i][j]: prompt i's response j (plan order), decoded in full batches of
+    `rows`, one temperature at a time; each batch draws from one seed."""
+    responses = [[None] * len(plan) for _ in encoded]
+    for ti, t in enumerate(temperatures):
+        items = [(i, j) for i in range(len(encoded)) for j, tj in enumerate(plan) if tj == t]
+        items.sort(key=lambda item: len(encoded[item[0]]))  # similar lengths together
+        for b in range(0, len(items), rows):
+            batch = items[b:b + rows]
+            result = decoder.generate(padded_batch([encoded[i] for i, _ in batch], rows),
+                                      max_new_tokens=max_new_tokens, temperature=t,
+                                      top_p=top_p, seed=batch_seed(seed, shard, ti, b // rows))
+            for (i, j), gen in zip(batch, result.generations):  # pad rows dropped
+                responses[i][j] = gen.tokens
+            progress.update(len(batch))
+    return responses
+
+
+def decode_slots(core, encoded, index, plan, seed, max_new_tokens, top_p,
+                 progress) -> list[list[list[int]]]:
+    """responses[i][j] from the slot engine (continuous batching: a finished response's
+    slot takes the next one at once, so rows never idle until the longest is done). Each
+    response draws from its own seed (of the prompt's index in the source and j), so it
+    is the same whatever the slot count or the responses around it."""
+    from dspine_serve.engine_core import SamplingOptions  # the serving engine's slots
+
+    ids = {}
+    for i, prompt in enumerate(encoded):
+        for j, t in enumerate(plan):
+            key = f"{i}/{j}"
+            response_seed = int(np.random.SeedSequence([seed, index[i], j])
+                                .generate_state(2, np.uint64)[0] >> np.uint64(1))
+            core.add_request(key, prompt, SamplingOptions(
+                max_tokens=max_new_tokens, temperature=t, top_p=top_p, seed=response_seed))
+            ids[key] = []
+    while core.has_work():
+        for out in core.step():
+            ids[out.request_id] += out.new_token_ids
+            progress.update(out.finished)
+    return [[ids[f"{i}/{j}"] for j in range(len(plan))] for i in range(len(encoded))]
