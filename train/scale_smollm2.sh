@@ -9,7 +9,8 @@
 #
 # Environment knobs (defaults = the planned run):
 #   RUNS=runs  DATA=$RUNS/data/sharegpt-all  PROMPTS= (all)  TEMPERATURES=0,0.7,1  SAMPLES=1
-#   MAX_NEW=1024  MAX_PROMPT=512  REGEN_BATCH=256  SHARD=1024
+#   MAX_NEW=1024  MAX_PROMPT=512  REGEN_BATCH=256 (rows or slots)  SHARD=1024
+#   ENGINE=slots (continuous batching) or batch (static batches)
 #   KINDS="dflash dspine-ce-no-alignment"  STEPS=15000 (the whole chain)  LINK=2000 (steps
 #   per link)  LINK_SECONDS=0 (>0: a link also stops, checkpointed, after this long)
 #   LINKS_PER_CALL=0 (>0: run at most this many links, then exit: one call per link)
@@ -27,6 +28,7 @@ MAX_NEW=${MAX_NEW:-1024}
 MAX_PROMPT=${MAX_PROMPT:-512}
 REGEN_BATCH=${REGEN_BATCH:-256}
 SHARD=${SHARD:-1024}
+ENGINE=${ENGINE:-slots}
 KINDS=${KINDS:-"dflash dspine-ce-no-alignment"}
 STEPS=${STEPS:-15000}
 LINK=${LINK:-2000}
@@ -53,7 +55,7 @@ stage_data() {
   timed data dspine data regenerate --out "$DATA" --turns all ${PROMPTS:+--limit "$PROMPTS"} \
     --temperatures "$TEMPERATURES" --samples-per-prompt "$SAMPLES" \
     --max-new-tokens "$MAX_NEW" --max-prompt-tokens "$MAX_PROMPT" \
-    --batch-size "$REGEN_BATCH" --shard-size "$SHARD"
+    --batch-size "$REGEN_BATCH" --shard-size "$SHARD" --engine "$ENGINE"
 }
 
 config_of() {  # config_of KIND: the config file and --set pairs of a drafter kind
