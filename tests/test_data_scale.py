@@ -5,7 +5,6 @@ prompt at several temperatures, compact token shards, exact resume and refusal t
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
