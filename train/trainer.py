@@ -192,7 +192,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
         stopping.release()
     checkpoints.wait()
     finished = step >= cfg.run.steps
-    summary = {"steps": step, "finished": finished, "out": str(out),
+    summary = {"steps": step, "finished": finished, "out": str(out), "origin": origin,
                "truncated_sequences": stream.truncated, "last": last,
                "data_manifest": manifest.get("settings", {}),
                "peak_device_memory_bytes": peak_device_memory()}
