@@ -97,6 +97,8 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
             {k: v for k, v in meta["config"].items() if k != "mesh"}, _resumable(cfg),
             f"{out} holds a run with another configuration",
             "resume with the same config or choose another run.out"))
+        if (out / "chain.json").is_file():  # how this folder first started
+            origin = json.loads((out / "chain.json").read_text())
     elif cfg.run.resume_from:  # the next link of a chain: continue another run folder
         source = Path(cfg.run.resume_from)
         state, meta = _restore(_source(source, "run.resume_from"), None, state, architecture,
