@@ -337,8 +337,11 @@ def data_regenerate(
     except DSpineError as e:
         _fail(e)
     shards = [s for s in manifest["shards"] if s["file"]]
+    tokens = sum(s["response_tokens"] for s in shards)
+    seconds = sum(s.get("seconds", 0) for s in shards)
+    rate = f" ({tokens / seconds:,.0f} response tokens/s decoding)" if seconds else ""
     typer.echo(f"{out}: {sum(s['sequences'] for s in shards)} sequences, "
-               f"{sum(s['response_tokens'] for s in shards)} response tokens in {len(shards)} "
+               f"{tokens} response tokens{rate} in {len(shards)} "
                f"{manifest['token_dtype']} shards; {manifest['skipped_long_prompts']} prompts "
                f"skipped as longer than {max_prompt_tokens} tokens, "
                f"{manifest['truncated_prompts']} cut to fit "

@@ -152,6 +152,7 @@ def test_temperatures_samples_resume_and_refusal(tiny, tmp_path, monkeypatch):
               samples_per_prompt=2, batch_size=4, shard_size=3)
     straight = regen.regenerate(tmp_path / "straight", **kw)
     assert straight["token_dtype"] == "uint16" and straight["settings"]["format"] == 2
+    assert all(shard["seconds"] > 0 for shard in straight["shards"])  # decoding time
     with np.load(tmp_path / "straight" / "shard-00000.npz") as data:
         assert data["tokens"].dtype == np.uint16
     # 6 prompts: the long one skipped, prompt 1 loses its first two turns; 3 answers each.

@@ -20,6 +20,7 @@ version) is refused rather than mixed in.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -126,6 +127,7 @@ def regenerate(out: Path, *, target: str, source: str = "sharegpt", turns: str =
             index.append(start + k)
             counts["truncated_prompts"] += fitted[1] > 0
             counts["dropped_context_turns"] += fitted[1]
+        started = time.perf_counter()
         if engine == "slots":
             responses = decode_slots(core, encoded, index, plan, seed, max_new_tokens, top_p,
                                      progress)
@@ -144,6 +146,7 @@ def regenerate(out: Path, *, target: str, source: str = "sharegpt", turns: str =
                                        tokens=int(sum(len(s.tokens) for s in sequences)),
                                        response_tokens=int(sum(s.loss_mask.sum()
                                                                for s in sequences)),
+                                       seconds=round(time.perf_counter() - started, 3),
                                        **counts))
         for key, value in counts.items():
             manifest[key] += value
