@@ -3,10 +3,11 @@
 A dataset folder holds `manifest.json` and `shard-NNNNN.npz` files. Each shard stores
 variable-length sequences concatenated (tokens, loss_mask bool: True on response tokens)
 with offsets [n + 1], compressed. Tokens are stored as uint16 where the vocabulary fits
-(< 65,536 ids: half of int32) and as uint32 above; the manifest's `token_dtype` records
-which, and shards of older folders (int32, uncompressed) read as before. Shards are written to a temporary name and renamed, and the
-manifest is rewritten (atomically) after each shard, so an interrupted job resumes at the
-first shard it has not finished and nothing already written is lost.
+(up to 65,536 ids: half of int32) and as uint32 above; the manifest's `token_dtype`
+records which, and shards of older folders (int32, uncompressed) read as before. Shards
+are written to a temporary name and renamed, and the manifest is rewritten (atomically)
+after each shard, so an interrupted job resumes at the first shard it has not finished and
+nothing already written is lost.
 """
 
 from __future__ import annotations
