@@ -303,14 +303,19 @@ def data_regenerate(
                                            help="Responses per prompt at each T > 0 "
                                                 "(T = 0 gives one)."),
     top_p: float = typer.Option(1.0, "--top-p"),
-    seed: int = typer.Option(0),
-    batch_size: int = typer.Option(32, "--batch-size", min=1),
+    seed: int = options.seed(),
+    batch_size: int = typer.Option(32, "--batch-size", min=1, metavar="B",
+                                   help="Rows of a batch (--engine batch) or slots (--engine "
+                                        "slots)."),
     shard_size: int = typer.Option(256, "--shard-size", min=1,
                                    help="Prompts per shard (with all their responses)."),
-    dtype: str = typer.Option("auto"),
+    dtype: str = options.dtype(),
     engine: str = typer.Option("batch", help="batch: full batches (--batch-size rows) of one "
                                "temperature until their longest row ends; slots: continuous "
                                "batching over --batch-size slots, a seed per response."),
+    num_pages: Optional[int] = options.num_pages(
+        "--batch-size x the pages of --max-prompt-tokens + --max-new-tokens, so no response "
+        "is ever preempted. --engine slots only; it changes the speed, not the data."),
 ):
     """Regenerate responses with the target itself: the drafters' training data."""
     try:
@@ -328,7 +333,8 @@ def data_regenerate(
                               max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
                               temperatures=temps, samples_per_prompt=samples_per_prompt,
                               top_p=top_p, seed=seed, batch_size=batch_size,
-                              shard_size=shard_size, dtype=dtype, engine=engine)
+                              shard_size=shard_size, dtype=dtype, engine=engine,
+                              num_pages=num_pages)
     except DSpineError as e:
         _fail(e)
     shards = [s for s in manifest["shards"] if s["file"]]
@@ -416,12 +422,9 @@ def serve_command(
         None, "--max-model-len", min=2, metavar="N",
         help="Prompt + output positions per request; default: the model's context or "
              "2048, whichever is less."),
-    num_pages: Optional[int] = typer.Option(
-        None, "--num-pages", min=1, metavar="N",
-        help="KV cache pages (16 positions each) shared by all slots; requests are admitted "
-             "while their pages are free and the newest is preempted (recomputed later) "
-             "when they run out. Default: --max-slots x the pages of --max-model-len, so "
-             "every slot can hold a full-length request."),
+    num_pages: Optional[int] = options.num_pages(
+        "--max-slots x the pages of --max-model-len, so every slot can hold a full-length "
+        "request."),
     prefill_chunk: int = typer.Option(
         512, "--prefill-chunk", min=1, metavar="N",
         help="Prompt tokens prefilled per engine step and request: longer prompts take "

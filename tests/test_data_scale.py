@@ -14,6 +14,7 @@ from dspine_jax.data.prompts import (conversation_of, fit_chat, is_held_out, jso
 from dspine_jax.data.shards import (Sequence, load_dataset, read_manifest, read_shard,
                                     token_dtype, write_manifest, write_shard)
 from dspine_jax.errors import InputError
+from dspine_jax.kv_cache import pages_needed
 from tests.conftest import save_hf_model, write_tiny_tokenizer
 
 
@@ -226,6 +227,17 @@ def test_slot_engine_gives_each_response_its_own_seed(tiny, tmp_path, monkeypatc
         assert manifest["settings"]["engine"] == "slots"
         runs[shard] = [s.tokens.tolist() for s in load_dataset(tmp_path / f"shard{shard}")]
     assert runs[2] == runs[6] and len(runs[2]) == 5 * 3
+    # A pool of one full request's pages for the 4 slots: responses are preempted and
+    # recomputed from their own seeds, and the data stay the same.
+    cores = []
+    sized = regen.slot_engine
+    monkeypatch.setattr(regen, "slot_engine", lambda *a: cores.append(sized(*a)) or cores[-1])
+    regen.regenerate(tmp_path / "pool", shard_size=6, num_pages=pages_needed(92, 16), **kw)
+    assert cores[0].num_pages == 6 and cores[0].max_model_len == 92
+    assert cores[0].preemptions > 0
+    assert [s.tokens.tolist() for s in load_dataset(tmp_path / "pool")] == runs[2]
+    default = sized(pipe.decoder, 4, 80 + 12)  # every slot can hold the longest request
+    assert default.num_pages == 4 * 6 and default.max_model_len == 92
     tok = TextTokenizer.from_hf_folder(tiny / "model")
     prompts = jsonl_prompts(tiny / "prompts.jsonl")
     ids = tok.encode_chat(prompts[2]["messages"])
@@ -234,3 +246,5 @@ def test_slot_engine_gives_each_response_its_own_seed(tiny, tmp_path, monkeypatc
     assert runs[2][2 * 3 + 1] != runs[2][2 * 3 + 2]
     with pytest.raises(InputError, match="other settings \\(engine\\)"):
         regen.regenerate(tmp_path / "shard2", shard_size=2, **{**kw, "engine": "batch"})
+    with pytest.raises(InputError, match="num_pages sizes the slot engine"):
+        regen.regenerate(tmp_path / "x", num_pages=64, **{**kw, "engine": "batch"})

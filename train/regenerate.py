@@ -9,9 +9,9 @@ Each prompt is answered once per temperature in `temperatures`, `samples_per_pro
 times at every T > 0 (greedy answers would repeat: T = 0 gives one). Responses are
 decoded by the same engines as everything else: `engine="batch"`, full batches of one
 temperature that run until their longest row ends, or `engine="slots"`, the serving
-engine's continuous batching (a finished row takes the next response at once; every
-response draws from its own seed). They land in shards of `shard_size` prompts (all of
-their responses) with a loss mask on the response tokens.
+engine's continuous batching over one shared KV page pool (a finished row takes the next
+response at once; every response draws from its own seed). They land in shards of
+`shard_size` prompts (all of their responses) with a loss mask on the response tokens.
 
 Rerunning the same command resumes after the last finished shard; a different command on
 the same folder (any setting that changes the data, or a folder made by an older
@@ -71,7 +71,9 @@ def regenerate(out: Path, *, target: str, source: str = "sharegpt", turns: str =
                max_prompt_tokens: int = 512, temperatures: list[float] = (0.0,),
                samples_per_prompt: int = 1, top_p: float = 1.0, seed: int = 0,
                batch_size: int = 32, shard_size: int = 256, dtype: str = "auto",
-               engine: str = "batch") -> dict:
+               engine: str = "batch", num_pages: int | None = None) -> dict:
+    """num_pages: the slot engine's KV page pool (see `slot_engine`); it and batch_size
+    change the speed of `engine="slots"`, never its data."""
     from dspine_jax.api import Pipeline
 
     out = Path(out)
@@ -80,6 +82,9 @@ def regenerate(out: Path, *, target: str, source: str = "sharegpt", turns: str =
         raise InputError(f"temperatures must be distinct values, got {temperatures}")
     if engine not in ("batch", "slots"):
         raise InputError(f"engine must be 'batch' or 'slots', got {engine!r}")
+    if num_pages is not None and engine != "slots":
+        raise InputError("num_pages sizes the slot engine's page pool: use it with "
+                         "engine='slots'")
     if samples_per_prompt < 1:
         raise InputError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
     settings = dict(format=FORMAT, target=target, source=source, turns=turns, limit=limit,
@@ -106,13 +111,8 @@ def regenerate(out: Path, *, target: str, source: str = "sharegpt", turns: str =
                     desc="regenerate")
     # Every batch this size: one compiled shape per prompt bucket, not per batch size.
     rows = min(batch_size, len(prompts) * len(plan))
-    core = None
-    if engine == "slots":
-        from dspine_serve.engine_core import EngineCore
-
-        core = EngineCore(pipe.decoder, max_slots=rows,
-                          max_model_len=min(max_prompt_tokens + max_new_tokens,
-                                            pipe.decoder.config.max_position_embeddings))
+    core = (slot_engine(pipe.decoder, rows, max_prompt_tokens + max_new_tokens, num_pages)
+            if engine == "slots" else None)
     for start in range(done, len(prompts), shard_size):
         shard = len(manifest["shards"])
         chunk = prompts[start:start + shard_size]
@@ -155,6 +155,31 @@ def regenerate(out: Path, *, target: str, source: str = "sharegpt", turns: str =
     return manifest
 
 
+def slot_engine(decoder, max_slots: int, longest: int, num_pages: int | None = None):
+    """The serving engine's core sized for a regeneration, not for serving: requests are
+    at most `longest` = max_prompt_tokens + max_new_tokens positions (plus the verify
+    block of a speculative decoder), so that is the slots' max_model_len (capped at the
+    model's context) instead of the context itself. The shared page pool defaults to
+    every slot holding such a request at once, so no response is ever preempted; a
+    smaller pool fits more slots in the same memory and preempts the newest response when
+    it runs short (it is recomputed later from its own seed: the data do not change)."""
+    from dspine_jax.kv_cache import pages_needed
+    from dspine_serve.engine_core import EngineCore
+
+    max_model_len = min(longest + decoder.extra_capacity,
+                        decoder.config.max_position_embeddings)
+    if num_pages is None:
+        num_pages = max_slots * pages_needed(max_model_len, decoder.page_size)
+    return EngineCore(decoder, max_slots=max_slots, max_model_len=max_model_len,
+                      num_pages=num_pages)
+
+
+def response_seed(seed: int, prompt_index: int, response: int) -> int:
+    """A response's own seed (uint32, the engine's row key): the run's seed, the prompt's
+    index in the source and the response's index in the plan."""
+    return int(np.random.SeedSequence([seed, prompt_index, response]).generate_state(1)[0])
+
+
 def decode_batches(decoder, encoded, plan, temperatures, shard, seed, max_new_tokens, top_p,
                    rows, progress) -> list[list[list[int]]]:
     """responses[i][j]: prompt i's response j (plan order), decoded in full batches of
@@ -178,18 +203,19 @@ def decode_slots(core, encoded, index, plan, seed, max_new_tokens, top_p,
                  progress) -> list[list[list[int]]]:
     """responses[i][j] from the slot engine (continuous batching: a finished response's
     slot takes the next one at once, so rows never idle until the longest is done). Each
-    response draws from its own seed (of the prompt's index in the source and j), so it
-    is the same whatever the slot count or the responses around it."""
+    response draws from its own seed (of the prompt's index in the source and j): the
+    engine keeps one RNG key per row, so a response is the same whatever the slot count,
+    the pool size (a preempted response is recomputed from the same key) or the responses
+    decoded beside it."""
     from dspine_serve.engine_core import SamplingOptions  # the serving engine's slots
 
     ids = {}
     for i, prompt in enumerate(encoded):
         for j, t in enumerate(plan):
             key = f"{i}/{j}"
-            response_seed = int(np.random.SeedSequence([seed, index[i], j])
-                                .generate_state(2, np.uint64)[0] >> np.uint64(1))
             core.add_request(key, prompt, SamplingOptions(
-                max_tokens=max_new_tokens, temperature=t, top_p=top_p, seed=response_seed))
+                max_tokens=max_new_tokens, temperature=t, top_p=top_p,
+                seed=response_seed(seed, index[i], j)))
             ids[key] = []
     while core.has_work():
         for out in core.step():

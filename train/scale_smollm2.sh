@@ -10,7 +10,8 @@
 # Environment knobs (defaults = the planned run):
 #   RUNS=runs  DATA=$RUNS/data/sharegpt-all  PROMPTS= (all)  TEMPERATURES=0,0.7,1  SAMPLES=1
 #   MAX_NEW=1024  MAX_PROMPT=512  REGEN_BATCH=256 (rows or slots)  SHARD=1024
-#   ENGINE=slots (continuous batching) or batch (static batches)
+#   ENGINE=slots (continuous batching) or batch (static batches)  NUM_PAGES= (slots: the
+#   shared KV page pool; default every slot at MAX_PROMPT + MAX_NEW, never preempted)
 #   KINDS="dflash dspine-ce-no-alignment"  STEPS=15000 (the whole chain)  LINK=2000 (steps
 #   per link)  LINK_SECONDS=0 (>0: a link also stops, checkpointed, after this long)
 #   LINKS_PER_CALL=0 (>0: run at most this many links, then exit: one call per link)
@@ -55,7 +56,8 @@ stage_data() {
   timed data dspine data regenerate --out "$DATA" --turns all ${PROMPTS:+--limit "$PROMPTS"} \
     --temperatures "$TEMPERATURES" --samples-per-prompt "$SAMPLES" \
     --max-new-tokens "$MAX_NEW" --max-prompt-tokens "$MAX_PROMPT" \
-    --batch-size "$REGEN_BATCH" --shard-size "$SHARD" --engine "$ENGINE"
+    --batch-size "$REGEN_BATCH" --shard-size "$SHARD" --engine "$ENGINE" \
+    ${NUM_PAGES:+--num-pages "$NUM_PAGES"}
 }
 
 config_of() {  # config_of KIND: the config file and --set pairs of a drafter kind
