@@ -287,34 +287,66 @@ def data_regenerate(
     target: str = options.target(),
     source: str = typer.Option("sharegpt", help="sharegpt (training split), "
                                "sharegpt:heldout, or a JSONL prompts file."),
+    turns: str = typer.Option("first", help="ShareGPT: 'first' human turn of each "
+                              "conversation, or 'all' human turns, each with the turns before "
+                              "it as chat context (cut from the left by whole turns to fit)."),
     limit: Optional[int] = typer.Option(None, min=1, help="Use the first N prompts."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1),
     max_prompt_tokens: int = typer.Option(512, "--max-prompt-tokens", min=1,
-                                          help="Longer prompts are skipped (and counted)."),
-    temperature: float = typer.Option(0.0),
+                                          help="Longer prompts lose their earliest turns, or "
+                                               "are skipped if their last turn is too long "
+                                               "(both counted)."),
+    temperatures: str = typer.Option("0", "--temperatures", metavar="T[,T...]",
+                                     help="Answer every prompt at each of these "
+                                          "temperatures, e.g. 0,0.7,1."),
+    samples_per_prompt: int = typer.Option(1, "--samples-per-prompt", min=1,
+                                           help="Responses per prompt at each T > 0 "
+                                                "(T = 0 gives one)."),
     top_p: float = typer.Option(1.0, "--top-p"),
-    seed: int = typer.Option(0),
-    batch_size: int = typer.Option(32, "--batch-size", min=1),
-    shard_size: int = typer.Option(256, "--shard-size", min=1),
-    dtype: str = typer.Option("auto"),
+    seed: int = options.seed(),
+    batch_size: int = typer.Option(32, "--batch-size", min=1, metavar="B",
+                                   help="Rows of a batch (--engine batch) or slots (--engine "
+                                        "slots)."),
+    shard_size: int = typer.Option(256, "--shard-size", min=1,
+                                   help="Prompts per shard (with all their responses)."),
+    dtype: str = options.dtype(),
+    engine: str = typer.Option("batch", help="batch: full batches (--batch-size rows) of one "
+                               "temperature until their longest row ends; slots: continuous "
+                               "batching over --batch-size slots, a seed per response."),
+    num_pages: Optional[int] = options.num_pages(
+        "--batch-size x the pages of --max-prompt-tokens + --max-new-tokens, so no response "
+        "is ever preempted. --engine slots only; it changes the speed, not the data."),
 ):
     """Regenerate responses with the target itself: the drafters' training data."""
     try:
         from dspine_jax.sampling import validate_sampling
         from dspine_train.regenerate import regenerate
 
-        validate_sampling(temperature, top_p, 0)
-        manifest = regenerate(out, target=target, source=source, limit=limit,
+        try:
+            temps = [float(t) for t in temperatures.split(",") if t.strip()]
+        except ValueError:
+            raise InputError(f"--temperatures expects numbers separated by commas, got "
+                             f"{temperatures!r}") from None
+        for t in temps:
+            validate_sampling(t, top_p, 0)
+        manifest = regenerate(out, target=target, source=source, turns=turns, limit=limit,
                               max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
-                              temperature=temperature, top_p=top_p, seed=seed,
-                              batch_size=batch_size, shard_size=shard_size, dtype=dtype)
+                              temperatures=temps, samples_per_prompt=samples_per_prompt,
+                              top_p=top_p, seed=seed, batch_size=batch_size,
+                              shard_size=shard_size, dtype=dtype, engine=engine,
+                              num_pages=num_pages)
     except DSpineError as e:
         _fail(e)
     shards = [s for s in manifest["shards"] if s["file"]]
+    tokens = sum(s["response_tokens"] for s in shards)
+    seconds = sum(s.get("seconds", 0) for s in shards)
+    rate = f" ({tokens / seconds:,.0f} response tokens/s decoding)" if seconds else ""
     typer.echo(f"{out}: {sum(s['sequences'] for s in shards)} sequences, "
-               f"{sum(s['response_tokens'] for s in shards)} response tokens in {len(shards)} "
-               f"shards; {manifest['skipped_long_prompts']} prompts skipped as longer than "
-               f"{max_prompt_tokens} tokens")
+               f"{tokens} response tokens{rate} in {len(shards)} "
+               f"{manifest['token_dtype']} shards; {manifest['skipped_long_prompts']} prompts "
+               f"skipped as longer than {max_prompt_tokens} tokens, "
+               f"{manifest['truncated_prompts']} cut to fit "
+               f"({manifest['dropped_context_turns']} context turns dropped)")
 
 
 @data_app.command("features", short_help="Cache the target's features for a config.")
@@ -338,6 +370,14 @@ def data_features(
 def train(
     config: Optional[Path] = typer.Option(None, "--config", help="TOML config file."),
     overrides: list[str] = typer.Option([], "--set", help="section.key=value (repeatable)."),
+    resume_from: Optional[Path] = typer.Option(
+        None, "--resume-from", metavar="RUN_DIR",
+        help="Continue another run folder's latest checkpoint (weights, optimizer, step, "
+             "data position) in this run.out: the next link of a chain (run.resume_from)."),
+    init_from: Optional[Path] = typer.Option(
+        None, "--init-from", metavar="DIR",
+        help="Start from the weights alone of a run folder (its latest checkpoint) or an "
+             "exported drafter: fresh optimizer, step 0 (drafter.init_from)."),
     distributed: bool = typer.Option(False, "--distributed",
                                      help="Multi-process (TPU pod, multi-host, or one process "
                                           "per GPU): call jax.distributed.initialize() first."),
@@ -361,7 +401,9 @@ def train(
         from dspine_train.config import load_config
         from dspine_train.trainer import train as run_training
 
-        summary = run_training(load_config(config, overrides))
+        extra = ([f"run.resume_from={json.dumps(str(resume_from))}"] if resume_from else []) + \
+            ([f"drafter.init_from={json.dumps(str(init_from))}"] if init_from else [])
+        summary = run_training(load_config(config, [*overrides, *extra]))
     except DSpineError as e:
         _fail(e)
     status = "finished" if summary["finished"] else "stopped"
@@ -380,12 +422,9 @@ def serve_command(
         None, "--max-model-len", min=2, metavar="N",
         help="Prompt + output positions per request; default: the model's context or "
              "2048, whichever is less."),
-    num_pages: Optional[int] = typer.Option(
-        None, "--num-pages", min=1, metavar="N",
-        help="KV cache pages (16 positions each) shared by all slots; requests are admitted "
-             "while their pages are free and the newest is preempted (recomputed later) "
-             "when they run out. Default: --max-slots x the pages of --max-model-len, so "
-             "every slot can hold a full-length request."),
+    num_pages: Optional[int] = options.num_pages(
+        "--max-slots x the pages of --max-model-len, so every slot can hold a full-length "
+        "request."),
     prefill_chunk: int = typer.Option(
         512, "--prefill-chunk", min=1, metavar="N",
         help="Prompt tokens prefilled per engine step and request: longer prompts take "

@@ -70,3 +70,12 @@ def proposal_kernel():
         help="DSpine's sparse proposal: the top-k over the vocabulary. xla: XLA's TopK over "
              "the full logits; pallas: the Pallas kernel (interpret mode on the CPU, slow); "
              "auto: pallas on GPU/TPU, xla elsewhere.")
+
+
+def num_pages(default: str):
+    """The slot engine's page pool; `default` says what it is when not given."""
+    return typer.Option(
+        None, "--num-pages", min=1, metavar="N",
+        help="KV cache pages (16 positions each) shared by all slots; requests are admitted "
+             "while their pages are free and the newest is preempted (recomputed later) "
+             f"when they run out. Default: {default}")

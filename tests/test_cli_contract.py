@@ -152,3 +152,23 @@ def test_shared_options_read_the_same_in_every_command():
         for opt, described in seen[name].items():
             if not (name == "eval" and opt == "--drafter"):
                 assert described == seen["generate"][opt], (name, opt)
+
+
+def test_regenerate_takes_the_shared_options_from_the_same_definitions():
+    """`dspine data regenerate` reads --target, --seed and --dtype as generate does, and
+    --num-pages as serve does (only the default's sentence differs)."""
+    import typer.main
+
+    group = typer.main.get_command(app)
+
+    def params(command):
+        return {opt: p for p in command.params for opt in p.opts}
+
+    regen = params(group.commands["data"].commands["regenerate"])
+    generate, serve = params(group.commands["generate"]), params(group.commands["serve"])
+    for opt in ("--target", "--seed", "--dtype"):
+        assert ((regen[opt].default, regen[opt].metavar, regen[opt].help)
+                == (generate[opt].default, generate[opt].metavar, generate[opt].help)), opt
+    ours, theirs = regen["--num-pages"], serve["--num-pages"]
+    assert (ours.default, ours.metavar) == (theirs.default, theirs.metavar)
+    assert ours.help.split("Default:")[0] == theirs.help.split("Default:")[0]

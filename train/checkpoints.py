@@ -50,5 +50,15 @@ class Checkpoints:
                 "resume from an earlier one, or pick a new run.out.") from e
         return _unflat(got.state, like), got.meta
 
+    def restore_meta(self, step: int) -> dict:
+        """The JSON saved beside a checkpoint's state (no arrays are read)."""
+        ocp = self.ocp
+        try:
+            return self.manager.restore(step, args=ocp.args.Composite(
+                meta=ocp.args.JsonRestore())).meta
+        except Exception as e:
+            raise CheckpointError(f"checkpoint {step} in {self.folder} is unreadable "
+                                  f"({type(e).__name__}: {str(e)[:300]})") from e
+
     def wait(self) -> None:
         self.manager.wait_until_finished()

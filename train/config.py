@@ -32,7 +32,9 @@ class DrafterSection:
     layers: int = 5
     block_size: int = 16
     mask_token_id: int = -1                # -1: the target tokenizer's mask token
-    init_from: str = ""                    # a drafter folder to start from (else fresh)
+    init_from: str = ""                    # weights only, fresh optimizer and step 0: a
+                                           # drafter folder, or a run folder (its latest
+                                           # checkpoint's weights); else a fresh drafter
 
     def __post_init__(self):
         if self.kind not in ("dflash", "dspine"):
@@ -70,6 +72,9 @@ class RunSection:
     keep_checkpoints: int = 3
     stop_after: int = 0                    # >0: stop (as if killed) after this many steps
     max_seconds: float = 0                 # >0: checkpoint and stop after this long (resumable)
+    resume_from: str = ""                  # a previous run folder: continue its latest
+                                           # checkpoint (weights, optimizer, RNG, data
+                                           # position, step) in this run.out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,10 +16,16 @@ from dspine_jax.losses import LossConfig
 from dspine_train.config import TrainConfig
 
 
+def is_run_folder(path: str | Path) -> bool:
+    """A `dspine train` run folder (its checkpoints/), as opposed to an exported drafter."""
+    return bool(path) and (Path(path) / "checkpoints").is_dir()
+
+
 def drafter_config(cfg: TrainConfig, target) -> DrafterConfig:
-    """The drafter a config describes (read from init_from when it names a checkpoint)."""
+    """The drafter a config describes (read from init_from when it names an exported
+    drafter; a run folder's weights must fit the config's own architecture)."""
     d = cfg.drafter
-    if d.init_from:
+    if d.init_from and not is_run_folder(d.init_from):
         config = read_drafter_config(Path(d.init_from))
         config.check_target(target.config)
         return config
@@ -32,7 +38,9 @@ def drafter_config(cfg: TrainConfig, target) -> DrafterConfig:
 
 
 def build_drafter(cfg: TrainConfig, target) -> BlockDrafter:
-    if cfg.drafter.init_from:
+    """The drafter to train: an exported drafter's weights, or fresh (a run folder's
+    weights are restored into it by the trainer)."""
+    if cfg.drafter.init_from and not is_run_folder(cfg.drafter.init_from):
         drafter = load_drafter(Path(cfg.drafter.init_from), dtype=jnp.float32)
         drafter.config.check_target(target.config)
         return drafter

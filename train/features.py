@@ -66,7 +66,7 @@ def cache_features(cfg, batch_size: int = 16) -> Path:
         return out.features(), out.final_hidden
 
     for start in tqdm(range(0, n, batch_size), desc="features", unit="batch"):
-        rows = stream.tokens[start:start + batch_size]
+        rows = stream.tokens[start:start + batch_size].astype(np.int32)
         pad = batch_size - len(rows)  # keep one compiled shape
         f, z = run(jnp.asarray(np.pad(rows, ((0, pad), (0, 0)))))
         feats[start:start + len(rows)] = np.asarray(f[:len(rows)], np.float16)

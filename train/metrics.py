@@ -33,32 +33,43 @@ class MetricsLog:
     def plot(self, png: Path) -> None:
         if not self.enabled or not self.path.is_file():
             return
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
         with open(self.path) as f:
             rows = list(csv.DictReader(f))
-        if not rows:
-            return
-        steps = [int(r["step"]) for r in rows]
-        panels = [("loss", ["loss", "backbone_ce", "backbone_l1", "refinement", "alignment"]),
-                  ("acceptance length", ["accept_len_estimate", "accept_len_blocks"]),
-                  ("accuracy", ["coverage", "refined_accuracy", "slot_acc_1", "slot_acc_4",
-                                "slot_acc_8"])]
-        fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-        for ax, (title, keys) in zip(axes, panels):
-            for key in keys:
-                values = [float(r[key]) if r.get(key) not in (None, "") else np.nan for r in rows]
-                if not np.all(np.isnan(values)):
-                    ax.plot(steps, values, label=key)
-            ax.set_title(title)
-            ax.set_xlabel("step")
+        plot_rows(rows, png)
+
+
+def plot_rows(rows: list[dict], png: Path, boundaries: tuple = (), title: str = "") -> None:
+    """Loss, acceptance and accuracy against step; a dotted line where each of
+    `boundaries` (steps) starts a new link of a chain."""
+    if not rows:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [int(r["step"]) for r in rows]
+    panels = [("loss", ["loss", "backbone_ce", "backbone_l1", "refinement", "alignment"]),
+              ("acceptance length", ["accept_len_estimate", "accept_len_blocks"]),
+              ("accuracy", ["coverage", "refined_accuracy", "slot_acc_1", "slot_acc_4",
+                            "slot_acc_8"])]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for ax, (name, keys) in zip(axes, panels):
+        for key in keys:
+            values = [float(r[key]) if r.get(key) not in (None, "") else np.nan for r in rows]
+            if not np.all(np.isnan(values)):
+                ax.plot(steps, values, label=key)
+        for b in boundaries:
+            ax.axvline(b, color="grey", linestyle=":", linewidth=1)
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(png, dpi=110)
-        plt.close(fig)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
 
 
 def peak_device_memory() -> int | None:

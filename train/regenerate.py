@@ -1,44 +1,96 @@
 """`dspine data regenerate`: prompts -> the target's own responses, as token shards.
 
 Drafters learn to predict the target, so their training data is what the target itself
-says (T = 0 by default). Prompts go through the chat template, are decoded in batches by
-the same engine as everything else, and land in shards of `shard_size` prompts with a loss
-mask on the response tokens. Rerunning the same command resumes after the last finished
-shard; a different command on the same folder is refused rather than mixed in.
+says. Prompts go through the chat template; with `turns="all"` every human turn of a
+ShareGPT conversation is a prompt, with the turns before it as its context, cut from the
+left by whole turns to fit `max_prompt_tokens` (cut prompts and dropped turns are counted
+in the manifest; a prompt whose last turn alone is too long is skipped and counted).
+Each prompt is answered once per temperature in `temperatures`, `samples_per_prompt`
+times at every T > 0 (greedy answers would repeat: T = 0 gives one). Responses are
+decoded by the same engines as everything else: `engine="batch"`, full batches of one
+temperature that run until their longest row ends, or `engine="slots"`, the serving
+engine's continuous batching over one shared KV page pool (a finished row takes the next
+response at once; every response draws from its own seed). They land in shards of
+`shard_size` prompts (all of their responses) with a loss mask on the response tokens.
+
+Rerunning the same command resumes after the last finished shard; a different command on
+the same folder (any setting that changes the data, or a folder made by an older
+version) is refused rather than mixed in.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-from dspine_jax.data.prompts import jsonl_prompts, sharegpt_prompts
-from dspine_jax.data.shards import (MANIFEST, Sequence, read_manifest, write_manifest,
-                                    write_shard)
+from dspine_jax.data.prompts import fit_chat, jsonl_prompts, sharegpt_prompts
+from dspine_jax.data.shards import (MANIFEST, Sequence, read_manifest, token_dtype,
+                                    write_manifest, write_shard)
 from dspine_jax.decoding import padded_batch
 from dspine_jax.errors import InputError
 
+FORMAT = 2  # manifest format: 1 (no field) had one temperature, first turns, int32 shards
+COUNTERS = ("skipped_long_prompts", "truncated_prompts", "dropped_context_turns")
 
-def load_prompts(source: str) -> list[dict]:
+
+def load_prompts(source: str, turns: str = "first") -> list[dict]:
     if source in ("sharegpt", "sharegpt:train"):
-        return sharegpt_prompts("train")
+        return sharegpt_prompts("train", turns=turns)
     if source == "sharegpt:heldout":
-        return sharegpt_prompts("heldout")
+        return sharegpt_prompts("heldout", turns=turns)
+    if turns != "first":
+        raise InputError("--turns applies to ShareGPT; a JSONL file gives each prompt's "
+                         'context itself (a "messages" list)')
     return jsonl_prompts(Path(source))
 
 
-def regenerate(out: Path, *, target: str, source: str = "sharegpt", limit: int | None = None,
-               max_new_tokens: int = 256, max_prompt_tokens: int = 512,
-               temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-               batch_size: int = 32, shard_size: int = 256, dtype: str = "auto") -> dict:
-    from dspine_jax.api import Pipeline, Prompt
+def response_plan(temperatures: list[float], samples_per_prompt: int) -> list[float]:
+    """One temperature per response of a prompt: T = 0 once, every T > 0 n times."""
+    return [t for t in temperatures for _ in range(1 if t == 0 else samples_per_prompt)]
+
+
+def encode(tokenizer, prompt: dict, max_tokens: int) -> tuple[list[int], int] | None:
+    """(ids, context turns dropped) of a prompt, or None when it cannot fit."""
+    if prompt["chat"]:
+        messages = prompt.get("messages") or [{"role": "user", "content": prompt["prompt"]}]
+        return fit_chat(tokenizer, messages, max_tokens)
+    ids = tokenizer.encode(prompt["prompt"])
+    return (ids, 0) if len(ids) <= max_tokens else None
+
+
+def batch_seed(seed: int, shard: int, temperature_index: int, batch: int) -> int:
+    return int(np.random.SeedSequence([seed, shard, temperature_index, batch])
+               .generate_state(1)[0])
+
+
+def regenerate(out: Path, *, target: str, source: str = "sharegpt", turns: str = "first",
+               limit: int | None = None, max_new_tokens: int = 256,
+               max_prompt_tokens: int = 512, temperatures: list[float] = (0.0,),
+               samples_per_prompt: int = 1, top_p: float = 1.0, seed: int = 0,
+               batch_size: int = 32, shard_size: int = 256, dtype: str = "auto",
+               engine: str = "batch", num_pages: int | None = None) -> dict:
+    """num_pages: the slot engine's KV page pool (see `slot_engine`); it and batch_size
+    change the speed of `engine="slots"`, never its data."""
+    from dspine_jax.api import Pipeline
 
     out = Path(out)
-    settings = dict(target=target, source=source, limit=limit, max_new_tokens=max_new_tokens,
-                    max_prompt_tokens=max_prompt_tokens, temperature=temperature,
-                    top_p=top_p, seed=seed, shard_size=shard_size)
+    temperatures = [float(t) for t in temperatures]
+    if not temperatures or len(set(temperatures)) != len(temperatures):
+        raise InputError(f"temperatures must be distinct values, got {temperatures}")
+    if engine not in ("batch", "slots"):
+        raise InputError(f"engine must be 'batch' or 'slots', got {engine!r}")
+    if num_pages is not None and engine != "slots":
+        raise InputError("num_pages sizes the slot engine's page pool: use it with "
+                         "engine='slots'")
+    if samples_per_prompt < 1:
+        raise InputError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
+    settings = dict(format=FORMAT, target=target, source=source, turns=turns, limit=limit,
+                    max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
+                    temperatures=temperatures, samples_per_prompt=samples_per_prompt,
+                    top_p=top_p, seed=seed, shard_size=shard_size, engine=engine)
     if (out / MANIFEST).is_file():
         manifest = read_manifest(out)
         if manifest["settings"] != settings:
@@ -47,36 +99,126 @@ def regenerate(out: Path, *, target: str, source: str = "sharegpt", limit: int |
                              " choose another --out or rerun with the same options")
     else:
         out.mkdir(parents=True, exist_ok=True)
-        manifest = dict(settings=settings, shards=[], skipped_long_prompts=0)
-    prompts = load_prompts(source)[:limit]
+        manifest = dict(settings=settings, token_dtype=None, shards=[],
+                        **{name: 0 for name in COUNTERS})
+    prompts = load_prompts(source, turns)[:limit]
     done = sum(s["prompts"] for s in manifest["shards"])
     pipe = Pipeline.load(target, dtype=dtype)
-    progress = tqdm(total=len(prompts), initial=done, unit="prompt", desc="regenerate")
-    rows = min(batch_size, len(prompts))  # every batch this size: one shape per prompt bucket
+    vocab = max(pipe.decoder.config.vocab_size, pipe.tokenizer.vocab_size)
+    manifest["token_dtype"] = manifest["token_dtype"] or token_dtype(vocab)
+    plan = response_plan(temperatures, samples_per_prompt)
+    progress = tqdm(total=len(prompts) * len(plan), initial=done * len(plan), unit="response",
+                    desc="regenerate")
+    # Every batch this size: one compiled shape per prompt bucket, not per batch size.
+    rows = min(batch_size, len(prompts) * len(plan))
+    core = (slot_engine(pipe.decoder, rows, max_prompt_tokens + max_new_tokens, num_pages)
+            if engine == "slots" else None)
     for start in range(done, len(prompts), shard_size):
+        shard = len(manifest["shards"])
         chunk = prompts[start:start + shard_size]
-        encoded = [pipe.encode(Prompt(p["prompt"], p["chat"])) for p in chunk]
-        keep = [ids for ids in encoded if len(ids) <= max_prompt_tokens]
+        counts = dict.fromkeys(COUNTERS, 0)
+        encoded, index = [], []  # the prompts that fit, and their index in the source
+        for k, p in enumerate(chunk):
+            fitted = encode(pipe.tokenizer, p, max_prompt_tokens)
+            if fitted is None:
+                counts["skipped_long_prompts"] += 1
+                continue
+            encoded.append(fitted[0])
+            index.append(start + k)
+            counts["truncated_prompts"] += fitted[1] > 0
+            counts["dropped_context_turns"] += fitted[1]
+        started = time.perf_counter()
+        if engine == "slots":
+            responses = decode_slots(core, encoded, index, plan, seed, max_new_tokens, top_p,
+                                     progress)
+        else:
+            responses = decode_batches(pipe.decoder, encoded, plan, temperatures, shard, seed,
+                                       max_new_tokens, top_p, rows, progress)
         sequences = []
-        for b in range(0, len(keep), batch_size):
-            batch = keep[b:b + batch_size]
-            # Full-size batches only: one compiled shape per prompt bucket, not per size.
-            result = pipe.decoder.generate(padded_batch(batch, rows),
-                                           max_new_tokens=max_new_tokens,
-                                           temperature=temperature, top_p=top_p,
-                                           seed=seed + start + b)
-            for ids, gen in zip(batch, result.generations):  # pad rows dropped
-                tokens = np.asarray(ids + gen.tokens, np.int32)
-                mask = np.arange(len(tokens)) >= len(ids)
-                sequences.append(Sequence(tokens, mask))
-            progress.update(len(batch))
-        progress.update(len(chunk) - len(keep))
-        name = write_shard(out, len(manifest["shards"]), sequences) if sequences else None
+        for ids, answers in zip(encoded, responses):
+            for answer in answers:
+                tokens = np.asarray(ids + answer, np.int32)
+                sequences.append(Sequence(tokens, np.arange(len(tokens)) >= len(ids)))
+        progress.update((len(chunk) - len(encoded)) * len(plan))
+        name = (write_shard(out, shard, sequences, manifest["token_dtype"])
+                if sequences else None)
         manifest["shards"].append(dict(file=name, prompts=len(chunk), sequences=len(sequences),
                                        tokens=int(sum(len(s.tokens) for s in sequences)),
                                        response_tokens=int(sum(s.loss_mask.sum()
-                                                               for s in sequences))))
-        manifest["skipped_long_prompts"] += len(chunk) - len(keep)
+                                                               for s in sequences)),
+                                       seconds=round(time.perf_counter() - started, 3),
+                                       **counts))
+        for key, value in counts.items():
+            manifest[key] += value
         write_manifest(out, manifest)
     progress.close()
     return manifest
+
+
+def slot_engine(decoder, max_slots: int, longest: int, num_pages: int | None = None):
+    """The serving engine's core sized for a regeneration, not for serving: requests are
+    at most `longest` = max_prompt_tokens + max_new_tokens positions (plus the verify
+    block of a speculative decoder), so that is the slots' max_model_len (capped at the
+    model's context) instead of the context itself. The shared page pool defaults to
+    every slot holding such a request at once, so no response is ever preempted; a
+    smaller pool fits more slots in the same memory and preempts the newest response when
+    it runs short (it is recomputed later from its own seed: the data do not change)."""
+    from dspine_jax.kv_cache import pages_needed
+    from dspine_serve.engine_core import EngineCore
+
+    max_model_len = min(longest + decoder.extra_capacity,
+                        decoder.config.max_position_embeddings)
+    if num_pages is None:
+        num_pages = max_slots * pages_needed(max_model_len, decoder.page_size)
+    return EngineCore(decoder, max_slots=max_slots, max_model_len=max_model_len,
+                      num_pages=num_pages)
+
+
+def response_seed(seed: int, prompt_index: int, response: int) -> int:
+    """A response's own seed (uint32, the engine's row key): the run's seed, the prompt's
+    index in the source and the response's index in the plan."""
+    return int(np.random.SeedSequence([seed, prompt_index, response]).generate_state(1)[0])
+
+
+def decode_batches(decoder, encoded, plan, temperatures, shard, seed, max_new_tokens, top_p,
+                   rows, progress) -> list[list[list[int]]]:
+    """responses[i][j]: prompt i's response j (plan order), decoded in full batches of
+    `rows`, one temperature at a time; each batch draws from one seed."""
+    responses = [[None] * len(plan) for _ in encoded]
+    for ti, t in enumerate(temperatures):
+        items = [(i, j) for i in range(len(encoded)) for j, tj in enumerate(plan) if tj == t]
+        items.sort(key=lambda item: len(encoded[item[0]]))  # similar lengths together
+        for b in range(0, len(items), rows):
+            batch = items[b:b + rows]
+            result = decoder.generate(padded_batch([encoded[i] for i, _ in batch], rows),
+                                      max_new_tokens=max_new_tokens, temperature=t,
+                                      top_p=top_p, seed=batch_seed(seed, shard, ti, b // rows))
+            for (i, j), gen in zip(batch, result.generations):  # pad rows dropped
+                responses[i][j] = gen.tokens
+            progress.update(len(batch))
+    return responses
+
+
+def decode_slots(core, encoded, index, plan, seed, max_new_tokens, top_p,
+                 progress) -> list[list[list[int]]]:
+    """responses[i][j] from the slot engine (continuous batching: a finished response's
+    slot takes the next one at once, so rows never idle until the longest is done). Each
+    response draws from its own seed (of the prompt's index in the source and j): the
+    engine keeps one RNG key per row, so a response is the same whatever the slot count,
+    the pool size (a preempted response is recomputed from the same key) or the responses
+    decoded beside it."""
+    from dspine_serve.engine_core import SamplingOptions  # the serving engine's slots
+
+    ids = {}
+    for i, prompt in enumerate(encoded):
+        for j, t in enumerate(plan):
+            key = f"{i}/{j}"
+            core.add_request(key, prompt, SamplingOptions(
+                max_tokens=max_new_tokens, temperature=t, top_p=top_p,
+                seed=response_seed(seed, index[i], j)))
+            ids[key] = []
+    while core.has_work():
+        for out in core.step():
+            ids[out.request_id] += out.new_token_ids
+            progress.update(out.finished)
+    return [[ids[f"{i}/{j}"] for j in range(len(plan))] for i in range(len(encoded))]

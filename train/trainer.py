@@ -11,6 +11,15 @@ or a multi-host TPU slice (only process 0 logs and writes metrics).
 
 Orbax keeps the last N checkpoints (parameters, optimizer state, RNG, data position);
 a rerun of the same command resumes exactly where the last checkpoint left off.
+
+A long run is a chain of short ones. `run.resume_from` continues another run folder's
+latest checkpoint in a new run.out (everything: the result equals one uninterrupted run);
+the step counter is global, so the learning-rate schedule and the teacher-replacement
+curriculum, both laid over run.steps (the chain's total), carry on where the last link
+stopped. `drafter.init_from` with a run folder (or an exported drafter) takes its weights
+alone: step 0, a fresh AdamW (its moments are re-estimated from zero) and a new warm-up
+and curriculum over this run's run.steps. Each folder's chain.json says how it started;
+`python -m dspine_train.chain` joins the links' metrics into one curve.
 """
 
 from __future__ import annotations
@@ -32,7 +41,8 @@ from dspine_train import sharding
 from dspine_train.checkpoints import Checkpoints
 from dspine_train.config import TrainConfig
 from dspine_train.data import BatchStream, local_rows
-from dspine_train.drafter_setup import build_drafter, resolved_loss, split_drafter
+from dspine_train.drafter_setup import (build_drafter, is_run_folder, resolved_loss,
+                                        split_drafter)
 from dspine_train.features import open_features
 from dspine_train.flops import PEAK_FLOPS, flops_per_step
 from dspine_train.metrics import SCALARS, MetricsLog, peak_device_memory
@@ -78,20 +88,47 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
     state = {"params": sharding.shard_tree(params, mesh),
              "opt_state": sharding.shard_tree(opt_state, mesh),
              "rng": jax.random.key_data(jax.random.key(cfg.run.seed))}
-    step = 0
     checkpoints = Checkpoints(out / "checkpoints", cfg.run.keep_checkpoints)
+    architecture = json.loads(json.dumps(dc.to_hf()))  # as the checkpoint's JSON holds it
+    step, origin = 0, {"start": "scratch"}
     latest = checkpoints.latest()
-    if latest is not None:
-        state, meta = checkpoints.restore(latest, state)
-        if meta["config"] != _resumable(cfg):
-            raise ConfigError(f"{out} holds a run with another configuration; resume with "
-                              "the same config or choose another run.out")
+    if latest is not None:  # this run's own checkpoint comes first: a rerun resumes itself
+        state, meta = _restore(checkpoints, latest, state, architecture, out, lambda meta: _same(
+            {k: v for k, v in meta["config"].items() if k != "mesh"}, _resumable(cfg),
+            f"{out} holds a run with another configuration",
+            "resume with the same config or choose another run.out"))
+        if (out / "chain.json").is_file():  # how this folder first started
+            origin = json.loads((out / "chain.json").read_text())
+    elif cfg.run.resume_from:  # the next link of a chain: continue another run folder
+        source = Path(cfg.run.resume_from)
+        state, meta = _restore(_source(source, "run.resume_from"), None, state, architecture,
+                               source, lambda meta: _same(
+            _chain_key(meta["config"]), _chain_key(_resumable(cfg)),
+            f"run.resume_from {source} was trained with another configuration",
+            "a chain's links may change only run.out, run.steps, run.stop_after, "
+            "run.max_seconds, run.log_every, run.checkpoint_every, run.keep_checkpoints, "
+            "mesh.* and drafter.init_from; start from its weights alone with --init-from "
+            "instead"))
+        origin = {"start": "resume", "source": str(source)}
+    elif is_run_folder(cfg.drafter.init_from):  # weights alone: fresh optimizer and step 0
+        source = Path(cfg.drafter.init_from)
+        restored, meta = _restore(_source(source, "drafter.init_from"), None, state,
+                                  architecture, source)
+        state, meta = {**state, "params": restored["params"]}, None
+        origin = {"start": "weights", "source": str(source)}
+    else:
+        meta = None
+        if cfg.drafter.init_from:
+            origin = {"start": "weights", "source": cfg.drafter.init_from}
+    if meta is not None:
         step = int(meta["step"])
         stream.seek(meta["data_position"])
-        state = {"params": sharding.shard_tree(state["params"], mesh),
-                 "opt_state": sharding.shard_tree(state["opt_state"], mesh), "rng": state["rng"]}
+    state = {"params": sharding.shard_tree(state["params"], mesh),
+             "opt_state": sharding.shard_tree(state["opt_state"], mesh), "rng": state["rng"]}
     if lead:
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        if latest is None:  # how this folder started, for `dspine_train.chain`
+            (out / "chain.json").write_text(json.dumps({**origin, "start_step": step}))
 
     step_fn = jax.jit(make_step(cfg, target_graph, drafter_graph, tx, losses, dc,
                                 compute_dtype, mesh), donate_argnums=(2, 3))
@@ -151,13 +188,13 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
                 checkpoints.save(step, {"params": params, "opt_state": opt_state,
                                         "rng": jax.random.key_data(rng)},
                                  {"step": step, "data_position": stream.position,
-                                  "config": _resumable(cfg)})
+                                  "config": _resumable(cfg), "drafter": architecture})
         bar.close()
     finally:  # an exception must not leave our SIGTERM handler installed
         stopping.release()
     checkpoints.wait()
     finished = step >= cfg.run.steps
-    summary = {"steps": step, "finished": finished, "out": str(out),
+    summary = {"steps": step, "finished": finished, "out": str(out), "origin": origin,
                "truncated_sequences": stream.truncated, "last": last,
                "data_manifest": manifest.get("settings", {}),
                "peak_device_memory_bytes": peak_device_memory()}
@@ -174,7 +211,65 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
 
 
 def _resumable(cfg: TrainConfig) -> dict:
-    """The config a resumed run must match (stop_after/max_seconds only say when to stop)."""
+    """The config a resumed run must match: stop_after/max_seconds only say when to stop,
+    and the mesh only where the same arithmetic runs (a run may move from one GPU to two)."""
     d = cfg.to_dict()
     d["run"] = {k: v for k, v in d["run"].items() if k not in ("stop_after", "max_seconds")}
+    d.pop("mesh")
     return d
+
+
+# What the next link of a chain may change: where it writes and when it stops; run.steps
+# too (extending a chain: the schedule is laid over the new total from the current step).
+CHAIN_FREE = {"run": ("out", "steps", "log_every", "checkpoint_every", "keep_checkpoints",
+                      "resume_from"), "drafter": ("init_from",)}
+
+
+def _chain_key(config: dict) -> dict:
+    d = {name: dict(table) if isinstance(table, dict) else table
+         for name, table in config.items() if name != "mesh"}
+    for name, keys in CHAIN_FREE.items():
+        for key in keys:
+            d.get(name, {}).pop(key, None)
+    return d
+
+
+def _flat(config: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _same(saved: dict, current: dict, what: str, advice: str) -> None:
+    a, b = _flat(saved), _flat(current)
+    changed = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    if changed:
+        raise ConfigError(f"{what} ({', '.join(changed[:8])}); {advice}")
+
+
+def _source(folder: Path, option: str) -> Checkpoints:
+    checkpoints = Checkpoints(folder / "checkpoints", keep=1_000_000)  # never deletes
+    if checkpoints.latest() is None:
+        raise ConfigError(f"{option} {folder}: that run folder holds no checkpoint")
+    return checkpoints
+
+
+def _restore(checkpoints: Checkpoints, step, like: dict, architecture: dict, folder: Path,
+             check=None):
+    """(state, meta) of a checkpoint (the latest when step is None), after checking that
+    its drafter is the one this config builds and `check(meta)` (before reading arrays)."""
+    step = checkpoints.latest() if step is None else step
+    meta = checkpoints.restore_meta(step)
+    saved = meta.get("drafter")
+    if saved is not None and saved != architecture:
+        changed = sorted(k for k in saved.keys() | architecture.keys()
+                         if saved.get(k) != architecture.get(k))
+        raise ConfigError(f"{folder} holds a drafter of another architecture "
+                          f"({', '.join(changed[:8])}) than this config builds")
+    if check is not None:
+        check(meta)
+    return checkpoints.restore(step, like)
