@@ -402,10 +402,25 @@ def test_parity_comparison_fails_on_drift():
     assert failed == {"draft_logits", "tokens", "token_disagreement"}
 
 
+def test_f32_tolerance_grows_with_the_values():
+    """Float32 rounding is relative: features of magnitude 2.5e4 (SmolLM2's outlier
+    dimension) differ by ulps of 0.002 between two correct implementations, which the
+    order-1 tolerance alone would fail; a real error at that scale still fails."""
+    from dspine_jax.parity import F32_RELATIVE, TOLERANCES, compare
+
+    reference = unpack(golden("dspine"), 0)
+    big = {**reference, "features": reference["features"] * 0 + 2.5e4}
+    rounded = {**big, "features": big["features"] + 0.0156}
+    wrong = {**big, "features": big["features"] + 0.1}
+    assert F32_RELATIVE * 2.5e4 > TOLERANCES["float32"]["features"]
+    assert {r.stage: r.ok for r in compare(big, rounded)}["features"]
+    assert not {r.stage: r.ok for r in compare(big, wrong)}["features"]
+
+
 def test_bf16_tolerance_is_the_two_noise_floors_plus_the_f32_tolerance():
     """bf16 is judged by each side's own bf16-vs-f32 distance (its noise floor), never a
     hand-set number: tolerance = floor_jax + floor_torch + the float32 tolerance."""
-    from dspine_jax.parity import TOLERANCES, compare
+    from dspine_jax.parity import F32_RELATIVE, TOLERANCES, compare
 
     reference = unpack(golden("dspine"), 0)
     with pytest.raises(ValueError, match="noise floors"):
@@ -415,7 +430,8 @@ def test_bf16_tolerance_is_the_two_noise_floors_plus_the_f32_tolerance():
     tokens[-1] += 1
     drifted = {**reference, "draft_logits": reference["draft_logits"] + 0.29, "tokens": tokens}
     rows = {r.stage: r for r in compare(reference, drifted, "bfloat16", floors)}
-    f32 = TOLERANCES["float32"]["draft_logits"]
+    f32 = max(TOLERANCES["float32"]["draft_logits"],
+              F32_RELATIVE * np.abs(reference["draft_logits"]).max())
     assert rows["draft_logits"].tolerance == pytest.approx(0.3 + f32)
     assert rows["draft_logits"].ok and rows["draft_logits"].floors == (0.2, 0.1)
     assert rows["tokens"].ok and rows["tokens"].value == 1 and rows["tokens"].tolerance == 1
