@@ -27,9 +27,11 @@ to N after a --prompt-len prefill, and each backend is timed side by side.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import functools
 import itertools
 import json
+import os
 import statistics
 import time
 from datetime import date
@@ -87,6 +89,8 @@ def parse_args(argv=None):
                    help="sampling temperature(s); 0 is greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="top-p when temperature > 0")
     p.add_argument("--top-k", type=int, default=0, help="top-k when temperature > 0")
+    p.add_argument("--compile-workers", type=int, default=min(16, os.cpu_count() or 1),
+                   help="cells compiled at once before any is timed")
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
 
@@ -160,19 +164,27 @@ def stage_times(decoder, run, b, context, args, temperature=0.0, iterations: int
     return {k: median_time(fn, args.repeats) / iterations * 1e3 for k, fn in times.items()}
 
 
-def bench(method, b, context, backend, model, config, dtype, bandwidth, args,
-          proposal="sparse", temperature=0.0):
+def prepare_cell(method, b, context, backend, model, config, args, proposal="sparse",
+                 temperature=0.0):
+    """The engine of one cell and its compiled prefill and decode loop (no timing)."""
     # Untrained drafters keep ~1 token per pass: 4 per pass of budget is ample, and keeps
     # the cache capacity (which dense attention reads in full) the same as AR's.
     new_tokens = context - args.prompt_len + 4 * (args.calls + 2) * args.steps_per_call
     num_pages = pool_pages(b, args.prompt_len + new_tokens + args.block_size, args.page_size)
     decoder, drafter_params = make_decoder(method, model, config, args, backend, num_pages,
                                            proposal)
-    passes = args.calls * args.steps_per_call
     prompts = np.random.default_rng(0).integers(0, config.vocab_size,
                                                 size=(b, args.prompt_len)).tolist()
     run = decoder.prepare(prompts, max_new_tokens=new_tokens, ignore_eos=True,
                           **sampling_options(args, temperature))
+    return decoder, drafter_params, run
+
+
+def bench(method, b, context, backend, model, config, dtype, bandwidth, args,
+          proposal="sparse", temperature=0.0, prepared=None):
+    decoder, drafter_params, run = prepared or prepare_cell(
+        method, b, context, backend, model, config, args, proposal, temperature)
+    passes = args.calls * args.steps_per_call
 
     def loop():
         state = run.decode(with_context(run.prefill(), context))
@@ -200,34 +212,53 @@ def bench(method, b, context, backend, model, config, dtype, bandwidth, args,
     return row
 
 
+def cells(args, contexts) -> list[tuple]:
+    """(backend, context, batch, temperature, method, proposal) in run order: AR first in
+    each group, as the implied speedups divide by it."""
+    out = []
+    for backend, context, b, temperature in itertools.product(
+            args.attention_backend, contexts, args.batch, args.temperature):
+        for m in args.methods:
+            for p in (["-"] if m == "ar" else args.proposal):
+                out.append((backend, context, b, temperature, m, p))
+    return out
+
+
 def main(argv=None):
     args = parse_args(argv)
     contexts = args.context or [args.prompt_len]
     positions = max(contexts) + 4 * (args.calls + 2) * args.steps_per_call + args.block_size
     model, config, dtype = load_jax_target(args.target, args.dtype, positions)
     bandwidth = jax_copy_bandwidth()
+    todo = cells(args, contexts)
+    # Compiling dominates a cell (several programs, tens of seconds each on a GPU host):
+    # every cell compiles at once on a thread pool (XLA compiles without the GIL), and only
+    # then are they timed one by one, since host-side dispatch is part of a step.
+    with concurrent.futures.ThreadPoolExecutor(args.compile_workers) as pool:
+        prepared = list(pool.map(
+            lambda c: prepare_cell(c[4], c[2], c[1], c[0], model, config, args,
+                                   "sparse" if c[5] == "-" else c[5], c[3]), todo))
+    print(f"compiled {len(todo)} cells", flush=True)
     rows = []
-    for backend, context, b, temperature in itertools.product(
-            args.attention_backend, contexts, args.batch, args.temperature):
-        ar_ms = None
-        runs = [(m, p) for m in args.methods for p in (["-"] if m == "ar" else args.proposal)]
-        for method, proposal in runs:
-            row = bench(method, b, context, backend, model, config, dtype, bandwidth, args,
-                        proposal, temperature)
-            if method == "ar":
-                ar_ms = row["step_ms"]
-            elif ar_ms is not None:
-                for tau in (4, 6, 8):
-                    row[f"speedup_tau{tau}"] = tau * ar_ms / row["step_ms"]
-            row.update(target=args.target, prompt_len=args.prompt_len,
-                       block_size=args.block_size, draft_layers=args.draft_layers,
-                       bandwidth_GBps=bandwidth / 1e9, device=str(jax.devices()[0]),
-                       date=str(date.today()))
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+    ar_ms = {}
+    for (backend, context, b, temperature, method, proposal), ready in zip(todo, prepared):
+        group = (backend, context, b, temperature)
+        row = bench(method, b, context, backend, model, config, dtype, bandwidth, args,
+                    "sparse" if proposal == "-" else proposal, temperature, prepared=ready)
+        if method == "ar":
+            ar_ms[group] = row["step_ms"]
+        elif group in ar_ms:
+            for tau in (4, 6, 8):
+                row[f"speedup_tau{tau}"] = tau * ar_ms[group] / row["step_ms"]
+        row.update(target=args.target, prompt_len=args.prompt_len,
+                   block_size=args.block_size, draft_layers=args.draft_layers,
+                   bandwidth_GBps=bandwidth / 1e9, device=str(jax.devices()[0]),
+                   date=str(date.today()))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
     print(f"\n{'method':8} {'path':6} {'T':>4} {'attn':6} {'context':>7} {'B':>3} "
           f"{'step ms':>9} {'floor':>7} "
           f"{'draft':>7} {'verify':>7} {'accept':>7} {'x@tau4':>7} {'x@tau6':>7} {'x@tau8':>7}")
