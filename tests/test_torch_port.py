@@ -411,10 +411,26 @@ def test_f32_tolerance_grows_with_the_values():
     reference = unpack(golden("dspine"), 0)
     big = {**reference, "features": reference["features"] * 0 + 2.5e4}
     rounded = {**big, "features": big["features"] + 0.0156}
-    wrong = {**big, "features": big["features"] + 0.1}
+    wrong = {**big, "features": big["features"] + 2.5}          # 1e-4 of the values
     assert F32_RELATIVE * 2.5e4 > TOLERANCES["float32"]["features"]
     assert {r.stage: r.ok for r in compare(big, rounded)}["features"]
     assert not {r.stage: r.ok for r in compare(big, wrong)}["features"]
+
+
+def test_q_tolerance_follows_the_measured_score_difference():
+    """q = softmax(scores / T): scores apart by d move q by at most exp(2d/T) - 1, so q
+    may differ by that much (the real SmolLM2 pair: scores 4.5e-5 apart, q 1.8e-5) and
+    no more."""
+    from dspine_jax.parity import compare
+
+    reference = unpack(golden("dflash"), 0)
+    d = 4.5e-5
+    shifted = {**reference, "draft_logits": reference["draft_logits"] + d,
+               "q": reference["q"] + 1.8e-5}
+    assert {r.stage: r.ok for r in compare(reference, shifted, q_temperature=0.8)}["q"]
+    assert not {r.stage: r.ok for r in compare(reference, shifted)}["q"]     # no T: 1e-5
+    too_far = {**shifted, "q": reference["q"] + 2 * np.expm1(2 * d / 0.8)}
+    assert not {r.stage: r.ok for r in compare(reference, too_far, q_temperature=0.8)}["q"]
 
 
 def test_bf16_tolerance_is_the_two_noise_floors_plus_the_f32_tolerance():
