@@ -45,8 +45,11 @@ def param_spec(shape: tuple[int, ...], fsdp: int) -> P:
 def place(x, sharding: NamedSharding) -> jax.Array:
     """One array, which every process holds whole, onto a sharding. Across processes
     (multi-host, one process per GPU) each supplies only its own devices' shards. An
-    array already placed so is returned as it is (its other shards cannot be read here)."""
-    if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
+    array already spread so across processes is returned as it is (its other shards
+    cannot be read here); one this process holds whole is put again, so that every leaf
+    comes out with this very sharding (a step compiled for it is not compiled twice)."""
+    if (isinstance(x, jax.Array) and not x.is_fully_addressable
+            and x.sharding.is_equivalent_to(sharding, x.ndim)):
         return x
     if sharding.is_fully_addressable:
         return jax.device_put(x, sharding)
