@@ -9,7 +9,7 @@
 # Environment knobs (defaults = the published run):
 #   PROMPTS=16000 MAX_NEW=256 REGEN_BATCH=128 STEPS=2000 EVAL_LIMIT=32 EVAL_BATCH=32 EVAL_PROMPT=768 RUNS=runs
 #   KINDS="dspine dflash dflash-cel1"  TEMPS="0 1"  TRAIN_SET="..." (extra --set for train)
-#   Ablation kinds (one DSpine switch off each, ABLATIONS below): dspine-no-injection
+#   Ablation kinds (one DSpine switch off each, ABLATIONS in smollm2_common.sh): dspine-no-injection
 #   dspine-no-teacher dspine-bidirectional dspine-no-alignment dspine-no-chain dspine-ce;
 #   and dspine-ce-no-alignment (both losses the ablations found costly, off).
 #   The shipped drafters: STEPS=3000 KINDS="dflash dspine-ce-no-alignment"
@@ -28,24 +28,7 @@ KINDS=${KINDS:-"dspine dflash dflash-cel1"}
 TEMPS=${TEMPS:-"0 1"}
 TRAIN_SET=${TRAIN_SET:-}
 
-# Ablations: DSpine with switches of the design doc turned off (space-separated overrides).
-declare -A ABLATIONS=(
-  [dspine-no-injection]=dspine.injection=false
-  [dspine-no-teacher]=loss.teacher_replacement=false
-  [dspine-bidirectional]=dspine.causal_block=false
-  [dspine-no-alignment]=loss.alignment=false
-  [dspine-no-chain]=dspine.refinement_head=false
-  [dspine-ce]=loss.backbone=ce
-  [dspine-ce-no-alignment]="loss.backbone=ce loss.alignment=false"
-)
-
-timed() {  # timed NAME CMD...: run CMD and append its wall time to $RUNS/wall_times.tsv
-  local name=$1 start
-  shift
-  start=$(date +%s)
-  "$@"
-  printf '%s\t%s s\t%s\n' "$name" "$(( $(date +%s) - start ))" "$*" >> "$RUNS/wall_times.tsv"
-}
+source train/smollm2_common.sh
 
 stage_data() {
   timed data dspine data regenerate --out "$RUNS/data/sharegpt" --limit "$PROMPTS" \
@@ -53,23 +36,15 @@ stage_data() {
 }
 
 stage_train() {
-  local kind config extra
+  local kind spec extra
   for kind in $KINDS; do
     if [[ -f "$RUNS/smollm2-$kind/drafter/model.safetensors" ]]; then
       echo "smollm2-$kind: already trained"; continue
     fi
+    spec=($(config_of "$kind"))
     extra=()
-    case $kind in
-      dspine) config=train/configs/smollm2_dspine.toml ;;
-      dflash) config=train/configs/smollm2_dflash.toml ;;
-      dflash-cel1) config=train/configs/smollm2_dflash.toml
-                   extra=(--set loss.backbone=ce+l1) ;;
-      *) [[ -n ${ABLATIONS[$kind]:-} ]] || { echo "unknown drafter run $kind" >&2; exit 2; }
-         config=train/configs/smollm2_dspine.toml
-         for kv in ${ABLATIONS[$kind]}; do extra+=(--set "$kv"); done ;;
-    esac
-    for kv in $TRAIN_SET; do extra+=(--set "$kv"); done
-    timed "train-$kind" dspine train --config "$config" "${extra[@]}" \
+    for kv in "${spec[@]:1}" $TRAIN_SET; do extra+=(--set "$kv"); done
+    timed "train-$kind" dspine train --config "${spec[0]}" "${extra[@]}" \
       --set "data.path=$RUNS/data/sharegpt" --set "run.out=$RUNS/smollm2-$kind" \
       --set "run.steps=$STEPS"
   done
@@ -85,11 +60,4 @@ stage_eval() {
   done
 }
 
-mkdir -p "$RUNS"
-case ${1:-all} in
-  data) stage_data ;;
-  train) stage_train ;;
-  eval) stage_eval ;;
-  all) stage_data; stage_train; stage_eval ;;
-  *) echo "usage: $0 [data|train|eval|all]" >&2; exit 2 ;;
-esac
+run_stage "$@"

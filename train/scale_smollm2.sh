@@ -44,13 +44,7 @@ EVAL_NEW=${EVAL_NEW:-256}
 EVAL_PROMPT=${EVAL_PROMPT:-768}
 TEMPS=${TEMPS:-"0 1"}
 
-timed() {  # timed NAME CMD...: run CMD and append its wall time to $RUNS/wall_times.tsv
-  local name=$1 start
-  shift
-  start=$(date +%s)
-  "$@"
-  printf '%s\t%s s\t%s\n' "$name" "$(( $(date +%s) - start ))" "$*" >> "$RUNS/wall_times.tsv"
-}
+source train/smollm2_common.sh
 
 stage_data() {
   timed data dspine data regenerate --out "$DATA" --turns all ${PROMPTS:+--limit "$PROMPTS"} \
@@ -58,15 +52,6 @@ stage_data() {
     --max-new-tokens "$MAX_NEW" --max-prompt-tokens "$MAX_PROMPT" \
     --batch-size "$REGEN_BATCH" --shard-size "$SHARD" --engine "$ENGINE" \
     ${NUM_PAGES:+--num-pages "$NUM_PAGES"}
-}
-
-config_of() {  # config_of KIND: the config file and --set pairs of a drafter kind
-  case $1 in
-    dflash) echo "train/configs/smollm2_dflash.toml" ;;
-    dspine) echo "train/configs/smollm2_dspine.toml" ;;
-    dspine-ce-no-alignment) echo "train/configs/smollm2_dspine.toml loss.backbone=ce loss.alignment=false" ;;
-    *) echo "unknown drafter kind $1 (dflash, dspine, dspine-ce-no-alignment)" >&2; exit 2 ;;
-  esac
 }
 
 summary_field() {  # summary_field RUN_DIR KEY: a field of the run's summary.json
@@ -114,11 +99,4 @@ stage_eval() {
   done
 }
 
-mkdir -p "$RUNS"
-case ${1:-all} in
-  data) stage_data ;;
-  train) stage_train ;;
-  eval) stage_eval ;;
-  all) stage_data; stage_train; stage_eval ;;
-  *) echo "usage: $0 [data|train|eval|all]" >&2; exit 2 ;;
-esac
+run_stage "$@"
