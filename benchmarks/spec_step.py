@@ -180,10 +180,10 @@ def prepare_cell(method, b, context, backend, model, config, args, proposal="spa
     return decoder, drafter_params, run
 
 
-def bench(method, b, context, backend, model, config, dtype, bandwidth, args,
-          proposal="sparse", temperature=0.0, prepared=None):
-    decoder, drafter_params, run = prepared or prepare_cell(
-        method, b, context, backend, model, config, args, proposal, temperature)
+def bench(prepared, method, b, context, config, dtype, bandwidth, args, proposal,
+          temperature) -> dict:
+    """Time one cell that `prepare_cell` compiled."""
+    decoder, drafter_params, run = prepared
     passes = args.calls * args.steps_per_call
 
     def loop():
@@ -243,8 +243,8 @@ def main(argv=None):
     ar_ms = {}
     for (backend, context, b, temperature, method, proposal), ready in zip(todo, prepared):
         group = (backend, context, b, temperature)
-        row = bench(method, b, context, backend, model, config, dtype, bandwidth, args,
-                    "sparse" if proposal == "-" else proposal, temperature, prepared=ready)
+        row = bench(ready, method, b, context, config, dtype, bandwidth, args, proposal,
+                    temperature)
         if method == "ar":
             ar_ms[group] = row["step_ms"]
         elif group in ar_ms:
