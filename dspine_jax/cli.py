@@ -502,6 +502,10 @@ def bench_serve_command(
                                     help="Fixed output lengths (bench_serving's default)."),
     timeout: float = typer.Option(600.0, "--timeout", min=1, metavar="S",
                                   help="Per-request time limit."),
+    duration: Optional[float] = typer.Option(
+        None, "--duration", metavar="S",
+        help="Soak: at each level keep sending (the prompts cycled) for S seconds, then "
+             "wait for the requests in flight."),
     out: Optional[Path] = typer.Option(None, "--out", metavar="DIR",
                                        help="Folder for results.json and results.png."),
 ):
@@ -521,7 +525,7 @@ def bench_serve_command(
                              concurrency=levels, request_rate=request_rate,
                              max_tokens=max_tokens, temperature=temperature,
                              ignore_eos=ignore_eos, out=out, timeout=timeout,
-                             log=lambda line: typer.echo(line, err=True))
+                             duration=duration, log=lambda line: typer.echo(line, err=True))
     except DSpineError as e:
         _fail(e)
     print(json.dumps(result["levels"], indent=2, default=str))

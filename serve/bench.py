@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import itertools
 import json
 import math
 import random
@@ -172,7 +173,11 @@ async def _scrape_accept(client, base_url: str) -> tuple[float, float]:
 async def run_level(base_url: str, prompts: Sequence[dict], *, concurrency: int,
                     request_rate: float, max_tokens: int, temperature: float = 0.0,
                     ignore_eos: bool = True, model: str | None = None,
-                    timeout: float = 600.0, seed: int = 0) -> dict:
+                    timeout: float = 600.0, seed: int = 0,
+                    duration: float | None = None) -> dict:
+    """Send `prompts` once each (at most `concurrency` in flight, Poisson arrivals at
+    `request_rate`); with `duration`, a soak: cycle through them, sending until `duration`
+    seconds have passed, then wait for the requests in flight."""
     import httpx
 
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
@@ -190,11 +195,28 @@ async def run_level(base_url: str, prompts: Sequence[dict], *, concurrency: int,
 
         start = time.perf_counter()
         tasks = []
-        for prompt in prompts:
-            tasks.append(asyncio.create_task(limited(prompt)))
-            if math.isfinite(request_rate):
-                await asyncio.sleep(rng.expovariate(request_rate))
-        records = await asyncio.gather(*tasks)
+        if duration is not None and not math.isfinite(request_rate):
+            # Closed loop: each of `concurrency` clients sends its next request as soon
+            # as its last one ends.
+            order = itertools.cycle(prompts)
+
+            async def client_loop():
+                done = []
+                while time.perf_counter() - start < duration:
+                    done.append(await limited(next(order)))
+                return done
+
+            loops = await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+            records = [r for done in loops for r in done]
+        else:
+            order = itertools.cycle(prompts) if duration is not None else iter(prompts)
+            for prompt in order:
+                if duration is not None and time.perf_counter() - start >= duration:
+                    break
+                tasks.append(asyncio.create_task(limited(prompt)))
+                if math.isfinite(request_rate):
+                    await asyncio.sleep(rng.expovariate(request_rate))
+            records = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         accept_after = await _scrape_accept(client, base_url)
     return summarize(records, duration, concurrency=concurrency, request_rate=request_rate,
@@ -270,8 +292,9 @@ def bench_serve(base_url: str, *, prompts: str = "sharegpt:heldout", num_prompts
                 concurrency: Sequence[int] = (1, 8, 32, 64), request_rate: float = math.inf,
                 max_tokens: int = 128, temperature: float = 0.0, ignore_eos: bool = True,
                 out: Path | None = None, timeout: float = 600.0, seed: int = 0,
-                log=print) -> dict:
-    """Run every concurrency level; write results.json and results.png into `out`."""
+                duration: float | None = None, log=print) -> dict:
+    """Run every concurrency level; write results.json and results.png into `out`.
+    `duration` (seconds) makes each level a soak over the `num_prompts` prompts, cycled."""
     import httpx
 
     base_url = check_loopback(base_url)
@@ -279,6 +302,8 @@ def bench_serve(base_url: str, *, prompts: str = "sharegpt:heldout", num_prompts
         raise InputError("--num-prompts, --max-tokens and every --concurrency must be >= 1")
     if not request_rate > 0:
         raise InputError(f"--request-rate must be > 0 (inf: all at once), got {request_rate}")
+    if duration is not None and not duration > 0:
+        raise InputError(f"--duration must be > 0 seconds, got {duration}")
     sources = load_prompts(prompts)
     with httpx.Client(timeout=60, trust_env=False) as client:
         try:
@@ -294,9 +319,11 @@ def bench_serve(base_url: str, *, prompts: str = "sharegpt:heldout", num_prompts
         level = asyncio.run(run_level(base_url, records, concurrency=c,
                                       request_rate=request_rate, max_tokens=max_tokens,
                                       temperature=temperature, ignore_eos=ignore_eos,
-                                      model=model["id"], timeout=timeout, seed=seed))
+                                      model=model["id"], timeout=timeout, seed=seed,
+                                      duration=duration))
         levels.append(level)
-        log(f"concurrency {c:>4}: {level['completed']}/{len(records)} ok, "
+        sent = level["completed"] + level["failed"]
+        log(f"concurrency {c:>4}: {level['completed']}/{sent} ok, "
             f"{level['output_throughput']:.1f} output tok/s, "
             f"{level['request_throughput']:.2f} req/s, TTFT p50/p99 "
             f"{level['median_ttft_ms']:.1f}/{level['p99_ttft_ms']:.1f} ms, ITL p50/p99 "
@@ -304,7 +331,7 @@ def bench_serve(base_url: str, *, prompts: str = "sharegpt:heldout", num_prompts
             f"{level['accept_length']}")
     result = {"base_url": base_url, "model": model, "prompts": prompts,
               "num_prompts": num_prompts, "skipped_long_prompts": skipped,
-              "max_tokens": max_tokens,
+              "max_tokens": max_tokens, "duration_s": duration,
               "temperature": temperature, "ignore_eos": ignore_eos,
               "request_rate": request_rate if math.isfinite(request_rate) else "inf",
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "levels": levels}

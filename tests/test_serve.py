@@ -631,6 +631,24 @@ def test_bench_serve_cli(served, tmp_path):
     assert refused.exit_code == 2 and "loopback" in refused.output
 
 
+def test_bench_serve_duration_is_a_soak(served, tmp_path):
+    """--duration cycles 3 prompts for 3 s with 2 clients: more requests than prompts
+    complete, none fail, and the server's slots and pages are all free afterwards."""
+    from dspine_serve.bench import bench_serve
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PLAIN[:3]))
+    result = bench_serve(served.url, prompts=str(prompts), num_prompts=3,
+                         concurrency=[2], max_tokens=4, duration=3.0, log=lambda _: None)
+    (level,) = result["levels"]
+    assert level["failed"] == 0 and level["completed"] > 3
+    assert level["duration_s"] >= 3.0 and level["total_output_tokens"] == 4 * level["completed"]
+    stats = served.engine.stats()
+    assert stats.running == 0 and stats.waiting == 0 and stats.free_pages == stats.num_pages
+    with pytest.raises(InputError, match="--duration"):
+        bench_serve(served.url, prompts=str(prompts), num_prompts=3, duration=0)
+
+
 # ----- the command, as a process -------------------------------------------------------------
 def start_server(target: Path, port: int) -> subprocess.Popen:
     return subprocess.Popen(
