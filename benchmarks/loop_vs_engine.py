@@ -118,10 +118,10 @@ def main():
     def record(side, method, batch, impl, gens_tokens, accept_lengths, seconds):
         tokens = sum(len(t) for t in gens_tokens)
         passes = sum(len(a) for a in accept_lengths)
-        row = dict(side=side, method=method, batch=batch, implementation=impl,
-                   tokens=tokens, seconds=round(seconds, 4),
-                   tokens_per_s=round(tokens / seconds, 1),
-                   tau=round(tokens / passes, 3) if passes else None)
+        row = {"side": side, "method": method, "batch": batch, "implementation": impl,
+               "tokens": tokens, "seconds": round(seconds, 4),
+               "tokens_per_s": round(tokens / seconds, 1),
+               "tau": round(tokens / passes, 3) if passes else None}
         outputs[(side, method, batch, impl)] = gens_tokens
         jax_rows = outputs.get(("jax", method, batch, "engine"))
         if side == "torch" and jax_rows is not None and args.temperature == 0:
@@ -143,7 +143,7 @@ def main():
         for b in args.batch:
             groups = batches(prompts, b)
             # JAX engine: compile on the first batch, then time every batch.
-            kw = dict(max_new_tokens=new, temperature=args.temperature, ignore_eos=True)
+            kw = {"max_new_tokens": new, "temperature": args.temperature, "ignore_eos": True}
             pipe.decoder.generate(groups[0], **kw)
             toks, accepts, seconds = [], [], 0.0
             for i, group in enumerate(groups):
