@@ -1,9 +1,9 @@
 """Time the JAX/Pallas side of DSpine's decoding kernels on the shapes, ops and byte counts
 of benchmarks/torch_kernels.py, so that the two JSON files read side by side.
 
-    PYTHONPATH=. python -m benchmarks.jax_kernels --out jax_kernels.json      # CUDA
-    PYTHONPATH=. python -m benchmarks.jax_kernels --quick --out quick.json    # < 60 s
-    PYTHONPATH=. python -m benchmarks.jax_kernels --device cpu                # smoke
+    python -m dspine_benchmarks.jax_kernels --out jax_kernels.json      # CUDA
+    python -m dspine_benchmarks.jax_kernels --quick --out quick.json    # < 60 s
+    python -m dspine_benchmarks.jax_kernels --device cpu                # smoke
 
 Every row is printed (flushed) as it is measured and, with --out, the JSON file is
 rewritten after every row, so a run cut short shows and keeps what it measured.
