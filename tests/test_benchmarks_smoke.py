@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks import jax_kernels
+from dspine_benchmarks import jax_kernels
 
 TINY = jax_kernels.SHAPES["tiny"]
 
