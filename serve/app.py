@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from dspine_jax.errors import InputError
 from dspine_serve.detokenizer import IncrementalDetokenizer
@@ -111,6 +112,19 @@ def create_app(engine: EngineLoop, tokenizer, *, model_name: str, method: str = 
     return app
 
 
+# Characters that JSON leaves raw (with ensure_ascii=False) but that str.splitlines, and so
+# httpx's `aiter_lines`, treats as line ends: raw, they cut a `data:` line of sampled text in
+# two. They only occur inside JSON strings, where the escape means the same character.
+_LINE_BREAKS_JSON_KEEPS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029",
+                                         "\x85": "\\u0085"})
+
+
+def event(obj) -> bytes:
+    """One server-sent event carrying `obj` as JSON on a single line."""
+    text = json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS_JSON_KEEPS)
+    return f"data: {text}\n\n".encode()
+
+
 class _Handlers:
     def __init__(self, engine: EngineLoop, tokenizer, metrics: ServerMetrics, model_name: str,
                  method: str, max_body_bytes: int):
@@ -189,11 +203,15 @@ class _Handlers:
             raise APIError(413, f"request body of {declared} bytes is over the "
                            f"{self.max_body_bytes}-byte limit", code="body_too_large")
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > self.max_body_bytes:
-                raise APIError(413, f"request body is over the {self.max_body_bytes}-byte "
-                               "limit", code="body_too_large")
+        try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > self.max_body_bytes:
+                    raise APIError(413, f"request body is over the {self.max_body_bytes}-byte "
+                                   "limit", code="body_too_large")
+        except ClientDisconnect:    # gone before its body arrived: nothing to answer or log
+            raise APIError(400, "the client disconnected before sending its whole body",
+                           code="client_disconnected") from None
         try:
             data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -404,9 +422,6 @@ class _Run:
         return body
 
     async def sse(self, include_usage: bool) -> AsyncIterator[bytes]:
-        def event(obj) -> bytes:
-            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
-
         if self.chat:
             yield event(self._chunk(None, None, role=True))
         async for piece in self.events():

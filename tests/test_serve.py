@@ -698,3 +698,36 @@ def test_serve_command_restarts_after_kill_and_exits_on_sigterm(tiny_llama_dir):
             second.kill()
     finally:
         first.kill()
+
+
+def test_sse_events_stay_one_line_whatever_the_text():
+    """Sampled text can hold U+2028, U+2029 or U+0085, which JSON leaves raw but
+    str.splitlines (httpx's aiter_lines) breaks lines at: each event must still read back
+    as one `data:` line carrying the exact text."""
+    from httpx._decoders import LineDecoder
+
+    from dspine_serve.app import event
+
+    text = "a\u2028b\u2029c\x85d\ne\r\"f\u00e9"
+    lines = [line for line in LineDecoder().decode(event({"text": text}).decode()) if line]
+    assert len(lines) == 1 and json.loads(lines[0].removeprefix("data: "))["text"] == text
+
+
+def test_a_client_gone_before_its_body_is_a_quiet_client_error():
+    """A client that disconnects while its body is read gets an APIError (a 4xx, no
+    traceback in the log), not an unhandled ClientDisconnect."""
+    from starlette.requests import Request
+
+    from dspine_serve.app import _Handlers
+    from dspine_serve.protocol import APIError, CompletionRequest
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    request = Request({"type": "http", "method": "POST", "path": "/v1/completions",
+                       "headers": [], "query_string": b""}, receive)
+    handlers = _Handlers.__new__(_Handlers)
+    handlers.max_body_bytes = 1 << 20
+    with pytest.raises(APIError) as caught:
+        asyncio.run(handlers._parse(request, CompletionRequest))
+    assert caught.value.status == 400 and caught.value.code == "client_disconnected"
