@@ -136,8 +136,10 @@ class ChainProposer:
 
         keys = row_keys.split(rng, s)                                     # [S] or [S, B]
         start = jnp.zeros((b,), jnp.int32)                                # the anchor
+        # Unrolled: S is small and static; a GPU while loop syncs with the host every step.
         _, (tokens, q) = jax.lax.scan(step, start, (jnp.moveaxis(table, 1, 0),
-                                                    jnp.moveaxis(candidates, 1, 0), keys))
+                                                    jnp.moveaxis(candidates, 1, 0), keys),
+                                      unroll=True)
         return Proposal(tokens=jnp.moveaxis(tokens, 0, 1), q=jnp.moveaxis(q, 0, 1))
 
 

@@ -184,7 +184,9 @@ def walk_chain(table: jax.Array, candidates: jax.Array, sampling: SamplingParams
 
     keys = row_keys.split(rng, table.shape[1])                          # [S] or [S, B]
     start = jnp.zeros((b,), jnp.int32)                                  # the anchor
-    _, (choice, q) = jax.lax.scan(step, start, (jnp.moveaxis(table, 1, 0), keys))
+    # Unrolled: S is small and static; a GPU while loop syncs with the host every step.
+    _, (choice, q) = jax.lax.scan(step, start, (jnp.moveaxis(table, 1, 0), keys),
+                                  unroll=True)
     choice, q = jnp.moveaxis(choice, 0, 1), jnp.moveaxis(q, 0, 1)
     tokens = jnp.take_along_axis(candidates, choice[..., None], -1)[..., 0]
     return tokens, choice, q

@@ -132,6 +132,8 @@ def walk_chain(table, temperature, top_p, top_k, rng, *, greedy: bool):
         keys = jax.random.split(rng, s)                                 # [S]
     else:
         keys = jnp.swapaxes(jax.vmap(lambda k: jax.random.split(k, s))(rng), 0, 1)  # [S, B]
+    # Unrolled: S is small and static, and a GPU while loop waits on the host for its
+    # predicate at every step (S round trips per pass).
     _, (choice, q) = jax.lax.scan(step, jnp.zeros((b,), jnp.int32),
-                                  (jnp.moveaxis(table, 1, 0), keys))
+                                  (jnp.moveaxis(table, 1, 0), keys), unroll=True)
     return jnp.moveaxis(choice, 0, 1), jnp.moveaxis(q, 0, 1)
