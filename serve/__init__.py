@@ -2,7 +2,7 @@
 
   engine_core   EngineCore: add_request / abort / step / stats over fixed slots
   slots         the slots' page table over one shared KV page pool (host side)
-  slot_steps    the compiled prefill / decode / release calls over the slots
+  slot_steps    the compiled prefill / decode calls over the slots
   engine_loop   the core in one background thread; queues to and from the HTTP layer
   detokenizer   incremental text with stop strings
   protocol      OpenAI request models and error bodies

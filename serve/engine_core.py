@@ -25,7 +25,8 @@ Every step:
   5. one decode call (`steps_per_call` target passes) runs over the decoding slots
      alone, gathered into a power-of-two number of rows (idle and prefilling slots are
      not computed; no call at all when none decodes);
-  6. new tokens are read back; finished requests free their slots and pages.
+  6. new tokens are read back (one small transfer: each call returns what its rows
+     gained); finished requests free their slots and pages.
 
 Rows never mix: per-row sampling parameters, and one RNG key per row folded with the
 row's token count, so a seeded request gives the same text alone, under load, and after
@@ -53,7 +54,7 @@ import numpy as np
 from dspine_jax.decoding import BatchDecoder
 from dspine_jax.errors import InputError
 from dspine_jax.kv_cache import pages_needed
-from dspine_jax.sampling import SamplingParams, validate_sampling
+from dspine_jax.sampling import validate_sampling
 from dspine_serve import slot_steps
 from dspine_serve.slots import SlotPages
 
@@ -181,8 +182,8 @@ class EngineCore:
         self.prefill_chunk = prefill_chunk
         self.eos = tuple(int(t) for t in np.asarray(decoder.eos).tolist() if t >= 0)
         self.preemptions = 0
-        self._params = decoder.params()
         self._steps = slot_steps.compiled(decoder)
+        self._params = self._steps.params
         # what shapes the state: a key of every compiled call (cores share a decoder's)
         self._shapes = (max_slots, num_pages, max_model_len)
         self._row_sizes = slot_steps.row_buckets(max_slots)
@@ -192,13 +193,15 @@ class EngineCore:
         self._running: dict[int, _Request] = {}      # slot -> request
         self._by_id: dict[str, _Request] = {}
         self._aborted: list[_Request] = []           # aborted since the last step
-        self._released: list[int] = []               # slots to reset on the device
         self._admissions = itertools.count()
-        # Per-slot sampling settings, host side; sent with every decode call.
-        self._temperature = np.zeros((max_slots,), np.float32)
-        self._top_p = np.ones((max_slots,), np.float32)
-        self._top_k = np.zeros((max_slots,), np.int32)
-        self._ignore_eos = np.zeros((max_slots,), bool)
+        # Each slot's decode row (slot_steps.DECODE_FIELDS), and row S the padding row; a
+        # decode call's rows are a gather of it.
+        self._idle_rows = np.stack([slot_steps.pad_row(slot_steps.DECODE_FIELDS, max_slots,
+                                                       slot=s) for s in range(max_slots + 1)])
+        self._slot_rows = self._idle_rows.copy()
+        self._table = (-1, None)     # (SlotPages.version, the page table on the device)
+        self._news: list[tuple[np.ndarray, jax.Array]] = []   # (slots, news) of the calls
+        self._news_width = slot_steps.news_width(decoder)
         self._state = slot_steps.empty_state(decoder, self._pages.table, num_pages,
                                              out_len=max_model_len)
 
@@ -277,7 +280,7 @@ class EngineCore:
         self._prefill()
         if decoding:         # rows that just started hold their first token already
             self._decode()
-        if self._running:
+        if self._news:       # each running row was in one of the calls
             outputs += self._collect()
         return outputs
 
@@ -296,6 +299,8 @@ class EngineCore:
             if not request.decoding or request.slot < 0:
                 continue
             need = self._decode_need(request)
+            if self._pages.holds(request.slot, need):
+                continue                 # most steps: no page boundary crossed
             while not self._pages.can_fit(request.slot, need):
                 victim = max(self._running.values(), key=lambda r: r.order)
                 self._preempt(victim)
@@ -326,123 +331,133 @@ class EngineCore:
             request.filled, request.decoding = 0, False
             request.read, request.passes_read = len(request.tokens), 0
             o = request.options
-            self._temperature[slot], self._top_p[slot] = o.temperature, o.top_p
-            self._top_k[slot], self._ignore_eos[slot] = o.top_k, o.ignore_eos
+            self._slot_rows[slot] = slot_steps.pad_row(
+                slot_steps.DECODE_FIELDS, self.max_slots, slot=slot,
+                temperature=o.temperature, top_p=o.top_p, top_k=o.top_k,
+                ignore_eos=o.ignore_eos)
             self._running[slot] = request
 
     def _release(self, request: _Request) -> None:
+        """Host side only: the slot's next request starts from an empty cache on its
+        first prefill chunk, and no call computes an idle slot."""
         slot = request.slot
         del self._running[slot]
         self._pages.release(slot)
-        self._temperature[slot], self._top_p[slot], self._top_k[slot] = 0.0, 1.0, 0
-        self._ignore_eos[slot] = False
-        self._released.append(slot)
+        self._slot_rows[slot] = self._idle_rows[slot]
         request.slot, request.decoding = -1, False
 
-    def _flush_releases(self) -> None:
-        """Freeze released slots on the device (one call for all of them)."""
-        if not self._released:
-            return
-        slots = np.full((self.max_slots,), self.max_slots, np.int32)
-        slots[:len(self._released)] = self._released
-        self._released = []
-        self._state = self._steps("release", self._shapes, self._state, jnp.asarray(slots))
-
     # ----- device calls --------------------------------------------------------------------
+    def _page_table(self) -> jax.Array:
+        """The page table on the device, uploaded again only when a row of it changed."""
+        version, table = self._table
+        if version != self._pages.version:   # a copy: the host table changes in place
+            self._table = version, table = self._pages.version, jnp.array(self._pages.table)
+        return table
+
     def _prefill(self) -> None:
         """One chunk for every request still prefilling; those whose prompt is complete
         start decoding."""
-        self._flush_releases()
         rows = [r for r in self._running.values() if r.filled < len(r.fill)]
         if not rows:
             return
         g = slot_steps.bucket_up(len(rows), self._row_sizes)
         longest = max(len(r.fill) - r.filled for r in rows)
         t = slot_steps.bucket_up(min(longest, self.prefill_chunk), self._chunk_sizes)
-        a = self._prefill_arrays(g, t)
+        matrix = self._prefill_matrix(g, t)
+        f = len(slot_steps.PREFILL_FIELDS)
         for i, r in enumerate(rows):
-            chunk = r.fill[r.filled:r.filled + t]
-            a["slots"][i], a["q_lens"][i], a["tokens"][i, :len(chunk)] = (
-                r.slot, len(chunk), chunk)
-            r.filled += len(chunk)
-            if r.filled < len(r.fill):
-                continue
+            fields, chunk = self._prefill_row(r, t)
+            matrix[i, :f], matrix[i, f:f + len(chunk)] = fields, chunk
+        starting = matrix[:, slot_steps.PREFILL_FIELDS.index("start_slot")]
+        self._call("prefill", (self._shapes, g, t), starting, matrix, greedy=False)
+
+    def _prefill_matrix(self, g: int, t: int) -> np.ndarray:
+        """[g, F + t] int32: g padding rows (aimed at slot S) of a chunk of t."""
+        pad = slot_steps.pad_row(slot_steps.PREFILL_FIELDS, self.max_slots)
+        return np.concatenate([np.tile(pad, (g, 1)), np.zeros((g, t), np.int32)], axis=1)
+
+    def _prefill_row(self, r: _Request, t: int) -> tuple[np.ndarray, list[int]]:
+        """Request r's fields and tokens in a prefill call of chunk t; a request whose
+        prompt this chunk completes starts decoding."""
+        chunk = r.fill[r.filled:r.filled + t]
+        values = dict(slot=r.slot, q_len=len(chunk), first_chunk=r.filled == 0)
+        r.filled += len(chunk)
+        if r.filled == len(r.fill):
             o = r.options
-            a["start_slots"][i], a["budget"][i], a["seeds"][i] = (
-                r.slot, o.max_tokens, r.seed % 2 ** 32)
-            a["temperature"][i], a["top_p"][i], a["top_k"][i], a["ignore"][i] = (
-                o.temperature, o.top_p, o.top_k, o.ignore_eos)
+            values.update(start_slot=r.slot, budget=o.max_tokens, seed=r.seed % 2 ** 32,
+                          temperature=o.temperature, top_p=o.top_p, top_k=o.top_k,
+                          ignore_eos=o.ignore_eos, read=r.read)
             if r.tokens:
-                a["resume_token"][i], a["resume_count"][i] = r.tokens[-1], len(r.tokens)
+                values.update(resume_token=r.tokens[-1], resume_count=len(r.tokens))
             r.decoding = True
-        self._state = self._steps("prefill", (self._shapes, g, t), *self._prefill_args(a))
-
-    def _prefill_arrays(self, g: int, t: int) -> dict:
-        """Host arrays of a prefill call of g rows and chunk t, every row padding (aimed
-        at slot S)."""
-        s = self.max_slots
-        return dict(slots=np.full((g,), s, np.int32), tokens=np.zeros((g, t), np.int32),
-                    q_lens=np.zeros((g,), np.int32), start_slots=np.full((g,), s, np.int32),
-                    budget=np.ones((g,), np.int32), seeds=np.zeros((g,), np.uint32),
-                    temperature=np.zeros((g,), np.float32), top_p=np.ones((g,), np.float32),
-                    top_k=np.zeros((g,), np.int32), ignore=np.zeros((g,), bool),
-                    resume_token=np.full((g,), -1, np.int32),
-                    resume_count=np.zeros((g,), np.int32))
-
-    def _prefill_args(self, a: dict) -> tuple:
-        # Prefill traces sampling even for greedy groups (argmax rows stay argmax): one
-        # token per row costs little, and it halves the prefill variants to compile.
-        sampling = SamplingParams(jnp.asarray(a["temperature"]), jnp.asarray(a["top_p"]),
-                                  jnp.asarray(a["top_k"]), all_greedy=False)
-        put = jnp.asarray
-        return (self._params, self._state, put(self._pages.table), put(a["slots"]),
-                put(a["tokens"]), put(a["q_lens"]), put(a["start_slots"]), sampling,
-                put(a["budget"]), put(a["seeds"]), put(a["ignore"]), put(a["resume_token"]),
-                put(a["resume_count"]))
+        return slot_steps.pad_row(slot_steps.PREFILL_FIELDS, self.max_slots, **values), chunk
 
     def _decode(self) -> None:
         """One decode call over the decoding slots only, padded to a bucket of rows."""
-        self._flush_releases()
         decoding = sorted(s for s, r in self._running.items() if r.decoding)
         rows = slot_steps.bucket_up(len(decoding), self._row_sizes)
         slots = np.full((rows,), self.max_slots, np.int32)     # padding rows aim at slot S
         slots[:len(decoding)] = decoding
-        key, args = self._decode_args(slots)
-        self._state = self._steps("decode", key, *args)
+        matrix = self._slot_rows[slots]
+        read = slot_steps.DECODE_FIELDS.index("read")
+        matrix[:len(decoding), read:read + 2] = [
+            (self._running[s].read, self._running[s].passes_read) for s in decoding]
+        greedy = self._greedy(matrix)
+        self._call("decode", (self._shapes, rows, greedy), slots, matrix, greedy=greedy)
 
-    def _decode_args(self, slots: np.ndarray, greedy: bool | None = None):
-        """(key, args) of a decode call over slots [R]; `greedy` overrides the rows' own
-        (warm-up compiles both variants)."""
-        real = slots < self.max_slots
-        row = np.minimum(slots, self.max_slots - 1)
-        pick = lambda x, fill: np.where(real, x[row], fill)  # noqa: E731
-        temperature = pick(self._temperature, 0.0)
-        greedy = bool((temperature == 0).all()) if greedy is None else greedy
-        sampling = SamplingParams(jnp.asarray(temperature), jnp.asarray(pick(self._top_p, 1.0)),
-                                  jnp.asarray(pick(self._top_k, 0)), all_greedy=greedy)
-        args = (self._params, self._state, jnp.asarray(self._pages.table), jnp.asarray(slots),
-                sampling, jnp.asarray(pick(self._ignore_eos, False)))
-        return (self._shapes, len(slots), greedy), args
+    def _greedy(self, matrix: np.ndarray) -> bool:
+        """Whether every row of a decode call is greedy (its key: no sort is traced)."""
+        t = matrix[:, slot_steps.DECODE_FIELDS.index("temperature")]
+        return bool((t.view(np.float32) == 0).all())
+
+    def _call(self, name: str, key, slots: np.ndarray, matrix: np.ndarray, *,
+              greedy: bool) -> None:
+        """Run a call; its news (rows [slots]) wait for `_fetch`."""
+        self._state, news = self._steps(name, key, self._params, self._state,
+                                        self._page_table(), jnp.asarray(matrix),
+                                        greedy=greedy)
+        self._news.append((slots, news))
+
+    def _fetch(self) -> np.ndarray:
+        """[S + 1, 3 + W + P]: each slot's news from this step's calls, a later call's over
+        an earlier one's (one device-to-host transfer; row S is padding)."""
+        calls, self._news = self._news, []
+        arrays = jax.device_get([news for _, news in calls])
+        width, passes = self._news_width
+        out = np.zeros((self.max_slots + 1, 3 + width + passes), np.int32)
+        for (slots, _), news in zip(calls, arrays):
+            out[slots] = news
+        return out
+
+    def _gained(self, news: list[int], r: _Request) -> tuple[list[int], list[int], bool]:
+        """(new tokens, new pass lengths, done) of request r from its slot's news."""
+        width, most = self._news_width
+        num, passes, done = news[:3]
+        if not (num - r.read <= width and passes - r.passes_read <= most):
+            raise AssertionError(f"slot {r.slot} gained {num - r.read} tokens and "
+                                 f"{passes - r.passes_read} passes in a step; its news hold "
+                                 f"{width} and {most}")
+        new = news[3:3 + num - r.read]
+        accepted = news[3 + width:3 + width + passes - r.passes_read]
+        r.read, r.passes_read = num, passes
+        return new, accepted, bool(done)
 
     def _collect(self) -> list[RequestOutput]:
-        s = self._state
-        num, done, output, passes, lengths = jax.device_get(
-            (s.num_generated, s.done, s.output, s.num_passes, s.pass_lengths))
+        news = self._fetch().tolist()     # Python lists: cheaper to slice row by row
         outputs = []
         for slot, r in list(self._running.items()):
             if not r.decoding:
                 continue
-            new = output[slot, r.read:num[slot]].tolist()
-            accepted = lengths[slot, r.passes_read:passes[slot]].tolist()
+            new, accepted, done = self._gained(news[slot], r)
             reason = None
-            cut = next((i for i, t in enumerate(new) if t in r.options.stop_token_ids), None)
+            stops = r.options.stop_token_ids
+            cut = next((i for i, t in enumerate(new) if t in stops), None) if stops else None
             if cut is not None:
                 new, reason = new[:cut + 1], "stop"
-            elif done[slot]:
+            elif done:
                 last = (r.tokens + new)[-1:]
                 hit_eos = last and last[0] in self.eos and not r.options.ignore_eos
                 reason = "stop" if hit_eos else "length"
-            r.read, r.passes_read = int(num[slot]), int(passes[slot])
             r.tokens += new
             outputs.append(self._output(r, new, accepted, reason))
             if reason is not None:
@@ -459,19 +474,17 @@ class EngineCore:
                              completion_tokens=len(r.tokens))
 
     def warmup(self) -> float:
-        """Compile before serving: every decode call (each row bucket, greedy and sampled),
-        every prefill call (each row bucket x chunk bucket) and the release call, in
-        parallel; then one request end to end. Returns seconds."""
+        """Compile before serving: every decode call (each row bucket, greedy and sampled)
+        and every prefill call (each row bucket x chunk bucket), in parallel; then one
+        request end to end. Returns seconds."""
         t0 = time.perf_counter()
-        s = self.max_slots
-        every_slot = jnp.asarray(np.full((s,), s, np.int32))
-        calls = [("release", self._shapes, (self._state, every_slot))]
+        calls = []
         for r, greedy in itertools.product(self._row_sizes, (True, False)):
-            key, args = self._decode_args(np.full((r,), s, np.int32), greedy)
-            calls.append(("decode", key, args))
+            matrix = self._idle_rows[np.full((r,), self.max_slots)]
+            calls.append(("decode", (self._shapes, r, greedy), self._args(matrix), greedy))
         for g, t in itertools.product(self._row_sizes, self._chunk_sizes):
-            args = self._prefill_args(self._prefill_arrays(g, t))
-            calls.append(("prefill", (self._shapes, g, t), args))
+            calls.append(("prefill", (self._shapes, g, t),
+                          self._args(self._prefill_matrix(g, t)), False))
         self._steps.precompile(calls)
         n = max(1, min(8, self.max_model_len - self.decoder.extra_capacity - 2))
         self.add_request("__warmup", [0] * n, SamplingOptions(
@@ -479,6 +492,9 @@ class EngineCore:
         while self.has_work():
             self.step()
         return time.perf_counter() - t0
+
+    def _args(self, matrix: np.ndarray) -> tuple:
+        return self._params, self._state, self._page_table(), jnp.asarray(matrix)
 
 
 class QueueFull(InputError):

@@ -21,6 +21,8 @@ class SlotPages:
         self.width = pages_needed(max_model_len, page_size)
         self.pool = PagePool(num_pages, page_size)
         self.table = np.full((num_slots, self.width), num_pages, np.int32)   # [S, PPS]
+        self.version = 0          # counts changes to the table (the device copy's key)
+        self._held = [0] * num_slots
         self._free = list(range(num_slots))
 
     @property
@@ -39,7 +41,11 @@ class SlotPages:
         return pages_needed(num_tokens, self.pool.page_size)
 
     def held(self, slot: int) -> int:
-        return len(self.pool.pages(slot))
+        return self._held[slot]
+
+    def holds(self, slot: int, num_tokens: int) -> bool:
+        """Whether `slot` holds exactly the pages for num_tokens positions already."""
+        return self.pages_for(num_tokens) == self.held(slot)
 
     def can_fit(self, slot: int | None, num_tokens: int) -> bool:
         """Whether `slot` (None: a new one) can grow to num_tokens positions now."""
@@ -66,4 +72,6 @@ class SlotPages:
         self._free.sort()
 
     def _write_row(self, slot: int) -> None:
-        self.table[slot] = self.pool.page_table([slot], self.width)[0]
+        self.table[slot] = row = self.pool.page_table([slot], self.width)[0]
+        self._held[slot] = int((row < self.pool.num_pages).sum())
+        self.version += 1
