@@ -206,7 +206,8 @@ def context_report(per_seq: list[dict]) -> dict:
     pred_in, chain = rates[CANDIDATES[0]], t1[f"chain.C{CANDIDATES[0]}@1.0"]
     report = {"blocks": int(len(pred_in)), "t1": summarise(t1),
               # slots 2..S whose true predecessor is not among the previous slot's C
-              "pred_not_candidate": {c: float(1 - r[:, 1:].mean()) for c, r in rates.items()},
+              "pred_not_candidate": {str(c): float(1 - r[:, 1:].mean())
+                                     for c, r in rates.items()},
               "pred_not_candidate_per_slot.C16": (1 - pred_in.mean(0)).tolist(),
               "chain.C16@1.0_alpha_pred_in": float(chain[pred_in].mean()),
               "chain.C16@1.0_alpha_pred_out": float(chain[~pred_in].mean())
@@ -268,7 +269,7 @@ def table(report: dict) -> str:
             f" {sampled[f'chain.C{c}@1.0+tail']['E_tokens']:8.3f}"
             f" {sampled[bt]['E_tokens']:6.3f} s={bt.split('@')[1].split('+')[0]:5s}"
             f" {sampled[f'mass.C{c}.dspine']['alpha_mean']:6.3f}"
-            f" {report['sampled']['pred_not_candidate'][c]:8.3f}"
+            f" {report['sampled']['pred_not_candidate'][str(c)]:8.3f}"
             f" {t0[f'chain.C{c}']['E_tokens']:6.3f}"
             f" {t0[f'coverage.C{c}.dspine']['alpha_mean']:9.3f}")
     return "\n".join(lines)
@@ -312,7 +313,7 @@ def main(argv=None) -> None:
     for context in ("sampled", "greedy"):
         rep = report[context]
         print(f"{context}: true predecessor not among the previous slot's 16 candidates at "
-              f"{rep['pred_not_candidate'][16]:.3f} of slots 2..S; chain alpha there "
+              f"{rep['pred_not_candidate']['16']:.3f} of slots 2..S; chain alpha there "
               f"{rep['chain.C16@1.0_alpha_pred_out']:.3f}, elsewhere "
               f"{rep['chain.C16@1.0_alpha_pred_in']:.3f}")
     print("T=0 engine-rule tau (the engine's greedy walk, C=16):",
