@@ -10,7 +10,8 @@ import pytest
 from flax import nnx
 
 from dspine_jax.drafters.checkpoint import save_drafter
-from dspine_jax.drafters.config import TRAINING_ONLY_FIELDS, DrafterConfig, DSpineConfig
+from dspine_jax.drafters.config import (DECODING, TRAINING_ONLY_FIELDS, DrafterConfig,
+                                       DSpineConfig)
 from dspine_jax.errors import ConfigError
 from dspine_jax.losses import LossConfig
 from dspine_train.config import from_dict, load_config
@@ -77,7 +78,9 @@ def test_a_checkpoint_stores_the_architecture_not_the_recipe(tmp_path):
     raw = json.loads((tmp_path / "config.json").read_text())
     # The reference fields in dspine_config, the project's switches under their own key.
     stored = {**raw["dspine_config"], **raw["dspine_jax_switches"]}
-    assert set(stored) == {f.name for f in dataclasses.fields(DSpineConfig)}
+    # The sampling options (dspine_jax_decoding) are written only when not the default.
+    assert "dspine_jax_decoding" not in raw
+    assert set(stored) | set(DECODING) == {f.name for f in dataclasses.fields(DSpineConfig)}
     assert not set(stored) & TRAINING_ONLY_FIELDS
     # A checkpoint written before the split (training fields inside) still loads.
     legacy = dict(raw)

@@ -50,12 +50,22 @@ class DSpineConfig:
     injection: bool = True              # gated adjacent injection after every layer
     causal_block: bool = True           # False: DFlash's bidirectional block attention
     refinement_head: bool = True        # predecessor-conditioned decoding at inference
+    # Sampling (T > 0) only; T = 0 decodes the same either way. Both keep decoding exact:
+    # q is whatever the draft was drawn from (benchmarks/t1_acceptance.py measures them).
+    chain_temperature: float = 1.0      # the chain's scores are warped at T * this
+    marginal_tail: bool = False         # q = the base marginal outside the C candidates
 
     def __post_init__(self):
         for name in ("transfer_rank", "message_size", "top_k"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ConfigError(f"dspine.{name} must be a positive integer, "
                                   f"got {getattr(self, name)!r}")
+        t = self.chain_temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+            raise ConfigError(f"dspine.chain_temperature must be a positive number, got {t!r}")
+        if not isinstance(self.marginal_tail, bool):
+            raise ConfigError(f"dspine.marginal_tail must be true or false, "
+                              f"got {self.marginal_tail!r}")
 
 
 # `dspine_config` holds the reference's fields; the project's ablation switches have
@@ -63,6 +73,9 @@ class DSpineConfig:
 # `dspine_config`; both layouts load).
 REFERENCE_FIELDS = ("transfer_rank", "message_size", "top_k")
 SWITCHES = ("injection", "causal_block", "refinement_head")
+# How the head samples at T > 0, under `dspine_jax_decoding`; written only when not the
+# default, so checkpoints without it (and readers that predate it) are unchanged.
+DECODING = {"chain_temperature": 1.0, "marginal_tail": False}
 
 # Training-only fields that drafter checkpoints written before the split carried in
 # `dspine_config`; they are read past (the loss config holds them now).
@@ -201,6 +214,9 @@ class DrafterConfig:
             spine = dataclasses.asdict(self.dspine)
             out["dspine_config"] = {k: spine[k] for k in REFERENCE_FIELDS}
             out["dspine_jax_switches"] = {k: spine[k] for k in SWITCHES}
+            decoding = {k: spine[k] for k, default in DECODING.items() if spine[k] != default}
+            if decoding:
+                out["dspine_jax_decoding"] = decoding
         return out
 
     def check_reference_layout(self) -> None:
@@ -254,10 +270,15 @@ def _read_dspine(raw: Mapping[str, Any]) -> dict | None:
     checkpoints also carry the switches there) and `dspine_jax_switches`."""
     spine = raw.get("dspine_config")
     switches = dict(raw.get("dspine_jax_switches") or {})
+    decoding = dict(raw.get("dspine_jax_decoding") or {})
     if spine is None:
-        if switches:
-            raise ConfigError("config.json has dspine_jax_switches but no dspine_config")
+        if switches or decoding:
+            raise ConfigError("config.json has dspine_jax_switches or dspine_jax_decoding but "
+                              "no dspine_config")
         return None
+    if set(decoding) - set(DECODING):
+        raise ConfigError(f"dspine_jax_decoding has unknown field(s): "
+                          f"{sorted(set(decoding) - set(DECODING))}")
     spine = {k: v for k, v in spine.items() if k not in TRAINING_ONLY_FIELDS}
     unknown = set(spine) - set(REFERENCE_FIELDS) - set(SWITCHES)
     if unknown:
@@ -269,4 +290,4 @@ def _read_dspine(raw: Mapping[str, Any]) -> dict | None:
         if name in spine and name in switches and bool(spine[name]) != bool(switches[name]):
             raise ConfigError(f"dspine_config.{name}={spine[name]} disagrees with "
                               f"dspine_jax_switches.{name}={switches[name]}")
-    return {**spine, **switches}
+    return {**spine, **switches, **decoding}

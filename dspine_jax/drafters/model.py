@@ -298,10 +298,17 @@ class BlockDrafter(nnx.Module):
         candidate_rows [..., C, D] lm_head rows of the candidates; output_embedding
         E_out [V, D] -> [..., P, C] float32.
         Redoes the last layer's write with p = sqrt(r) c_a, then the final norm."""
+        refined = self.refined_state(pre_injection, predecessors, output_embedding)
+        return jnp.einsum("...PD,...CD->...PC", refined, candidate_rows.astype(refined.dtype),
+                          preferred_element_type=jnp.float32)
+
+    def refined_state(self, pre_injection: jax.Array, predecessors: jax.Array,
+                      output_embedding: jax.Array) -> jax.Array:
+        """The slot's final state given each predecessor token: pre_injection [..., D],
+        predecessors [..., P] -> [..., P, D] (E_out @ it: the head's logits over the whole
+        vocabulary, which diagnostics compare with the C-candidate restriction)."""
         last = self.config.num_hidden_layers - 1
         phi = self.injection.feature(last, pre_injection)[..., None, :]   # [..., 1, r]
         h = pre_injection[..., None, :]                                    # [..., 1, D]
         delta, _ = self.injection.write(last, h, phi, self.code(predecessors, output_embedding))
-        refined = self.norm(h + delta)                                     # [..., P, D]
-        return jnp.einsum("...PD,...CD->...PC", refined, candidate_rows.astype(refined.dtype),
-                          preferred_element_type=jnp.float32)
+        return self.norm(h + delta)                                        # [..., P, D]

@@ -12,7 +12,10 @@
             interpreted where none compiles (CPU); "auto" the Pallas kernel on GPU/TPU and
             XLA elsewhere; either way the drafter's own [S, V] logits are dead code), the
             C x C transition table and the walk; q over the C candidates only
-            (`CandidateProposal`).
+            (`CandidateProposal`). At T > 0 the config's `chain_temperature` scales the
+            chain's warp, and `marginal_tail` gives q the base marginal outside the
+            candidates (`walk_chain_with_tail`, `SplicedProposal`; the base logits are
+            used then, and the table is built as on the dense path).
   impl="dense"
     The original path, kept for comparison: q [B, S, V] for every slot, warped by a full
     sort of the vocabulary (`Proposal`).
@@ -28,8 +31,8 @@ import jax.numpy as jnp
 from dspine_jax import row_keys
 from dspine_jax.drafters import DEFAULT_PROPOSAL_KERNEL, PROPOSALS
 from dspine_jax.sampling import SamplingParams, top_k_indices
-from dspine_jax.speculative.propose import (CandidateProposal, Proposal, sample_dense,
-                                            sample_marginal)
+from dspine_jax.speculative.propose import (CandidateProposal, Proposal, SplicedProposal,
+                                            sample_dense, sample_marginal, walk_chain_with_tail)
 
 PROPOSAL_IMPLS = PROPOSALS
 # vocab_top_k's own implementation names are taken as they are (benchmarks time each).
@@ -97,15 +100,25 @@ class ChainProposer:
             norm_weight=d.norm.weight[...], transfer_mean=d.transfer_mean[...],
             transfer_whiten=d.transfer_whiten[...])
 
+    def chain_sampling(self, sampling: SamplingParams) -> SamplingParams:
+        """The warp of the chain's scores: T * chain_temperature (T = 0 stays argmax)."""
+        t = self.drafter.config.dspine.chain_temperature
+        return sampling if t == 1.0 else sampling.replace(temperature=sampling.temperature * t)
+
     def propose(self, out, anchor, output_embedding, sampling: SamplingParams, rng):
+        if self.drafter.config.dspine.marginal_tail and not sampling.all_greedy:
+            spliced = self._spliced(out, anchor, output_embedding, sampling, rng)
+            return Proposal(tokens=spliced.tokens, q=spliced.dense_q()) \
+                if self.impl == "dense" else spliced
         if self.impl == "dense":
-            return self._dense(out, anchor, output_embedding, sampling, rng)
+            return self._dense(out, anchor, output_embedding, self.chain_sampling(sampling), rng)
         from pallas_kernels.dspine_proposal import dspine_proposal
 
         d = self.drafter
+        chain = self.chain_sampling(sampling)
         candidates, choice, q = dspine_proposal(
             out.hidden[:, 0, 1:], out.pre_injection[:, 0, 1:], anchor, output_embedding,
-            self.transition_weights(), sampling.temperature, sampling.top_p, sampling.top_k,
+            self.transition_weights(), chain.temperature, chain.top_p, chain.top_k,
             rng, num_candidates=d.config.dspine.top_k, eps=float(d.norm.eps),
             greedy=sampling.all_greedy, implementation=self.kernel_call[0],
             interpret=self.kernel_call[1])
@@ -114,17 +127,30 @@ class ChainProposer:
         return CandidateProposal(tokens=tokens, q_tokens=q_tokens, candidates=candidates, q=q,
                                  vocab_size=output_embedding.shape[0])
 
-    def _dense(self, out, anchor, output_embedding, sampling, rng) -> Proposal:
-        drafter = self.drafter
+    def _table(self, out, anchor, output_embedding):
+        """Candidates [B, S, C] from the base logits and the C x C table [B, S, C, C]."""
         base = out.logits[:, 0, 1:]                                       # [B, S, V]
-        b, s, vocab = base.shape
-        c = min(drafter.config.dspine.top_k, vocab)
+        b, _, vocab = base.shape
+        c = min(self.drafter.config.dspine.top_k, vocab)
         candidates = top_k_indices(base, c)                               # [B, S, C]
         preds = jnp.concatenate([jnp.broadcast_to(anchor[:, None, None], (b, 1, c)),
                                  candidates[:, :-1]], axis=1)             # [B, S, C]
         rows = jnp.take(output_embedding, candidates, axis=0)             # [B, S, C, D]
-        table = drafter.transition_scores(out.pre_injection[:, 0, 1:], preds, rows,
-                                          output_embedding)              # [B, S, C, C]
+        return candidates, self.drafter.transition_scores(
+            out.pre_injection[:, 0, 1:], preds, rows, output_embedding)
+
+    def _spliced(self, out, anchor, output_embedding, sampling, rng) -> SplicedProposal:
+        """marginal_tail: the candidates' q from the chain, the base marginal elsewhere
+        (its [S, V] logits are used, as DFlash's proposal uses its own)."""
+        candidates, table = self._table(out, anchor, output_embedding)
+        return walk_chain_with_tail(table, candidates, out.logits[:, 0, 1:], sampling,
+                                    self.chain_sampling(sampling), rng)
+
+    def _dense(self, out, anchor, output_embedding, sampling, rng) -> Proposal:
+        """`sampling`: the chain's own warp (`chain_sampling`)."""
+        candidates, table = self._table(out, anchor, output_embedding)
+        b, s, _ = candidates.shape
+        vocab = output_embedding.shape[0]
 
         def step(pred_index, inputs):
             scores, cands, key = inputs                                   # [B, C, C], [B, C]

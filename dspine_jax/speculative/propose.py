@@ -17,8 +17,11 @@ Three kinds:
   MarginalProposal   q = softmax(warp(logits)) of each slot's own logits (DFlash): the
                      logits plus the warp's threshold and log-normaliser per slot, so any
                      one row of q is rebuilt on demand and nothing [S, V] is built
+  SplicedProposal    DSpine's head with its base marginal's tail (`marginal_tail`): the
+                     candidates' q, and the marginal's logits and warp stats for the rest
 
-The functions here work on arrays only (`sample_marginal`, `walk_chain`); which drafter
+The functions here work on arrays only (`sample_marginal`, `walk_chain`,
+`walk_chain_with_tail`); which drafter
 computes which arrays lives in `dspine_jax/drafters/proposers.py`.
 
 Shape legend: B batch, K block size, S = K - 1 drafted slots, C candidates, V vocab.
@@ -121,6 +124,48 @@ class MarginalProposal:
         return jnp.where((self.sampling.temperature > 0)[:, None, None], probs, hot)
 
 
+@struct.dataclass
+class SplicedProposal:
+    """DSpine's head with the base marginal's tail: q is `q` on each slot's C candidates
+    and the marginal's warped softmax everywhere else (greedy rows: one-hot on the
+    candidates, no tail). The marginal's values come from its logits and warp statistics,
+    as in `MarginalProposal`, so nothing [S, V] is kept beyond the drafter's logits."""
+    tokens: jax.Array      # [B, S]
+    q_tokens: jax.Array    # [B, S]
+    candidates: jax.Array  # [B, S, C] distinct per slot
+    q: jax.Array           # [B, S, C] q on the candidates
+    logits: jax.Array      # [B, S, V] the marginal's logits
+    sampling: SamplingParams
+    tau: jax.Array         # [B, S] the marginal's warp threshold and log-normaliser
+    log_norm: jax.Array    # [B, S]
+
+    def token_q(self) -> jax.Array:
+        return self.q_tokens
+
+    def _tail(self, scaled, tau, log_norm) -> jax.Array:
+        """The marginal's probabilities of scaled logits, zero at greedy rows."""
+        probs = warped_probability(scaled, tau, log_norm)
+        hot = (self.sampling.temperature > 0).reshape((-1,) + (1,) * (scaled.ndim - 1))
+        return jnp.where(hot, probs, 0.0)
+
+    def q_row(self, n: jax.Array) -> jax.Array:
+        t = jnp.where(self.sampling.temperature > 0, self.sampling.temperature, 1.0)
+        scaled = _pick_row(self.logits, n).astype(jnp.float32) / t[:, None]
+        tail = self._tail(scaled, _pick_row(self.tau, n)[:, None],
+                          _pick_row(self.log_norm, n)[:, None])
+        tail = jnp.where((n < self.tokens.shape[1])[:, None], tail, 0.0)   # [B, V]
+        ids, probs = _pick_row(self.candidates, n), _pick_row(self.q, n)    # [B, C]
+        return tail.at[jnp.arange(ids.shape[0])[:, None], ids].set(probs)
+
+    def dense_q(self) -> jax.Array:
+        t = jnp.where(self.sampling.temperature > 0, self.sampling.temperature, 1.0)
+        tail = self._tail(self.logits.astype(jnp.float32) / t[:, None, None],
+                          self.tau[..., None], self.log_norm[..., None])    # [B, S, V]
+        b, s, _ = self.candidates.shape
+        return tail.at[jnp.arange(b)[:, None, None], jnp.arange(s)[None, :, None],
+                       self.candidates].set(self.q)
+
+
 class Proposer(Protocol):
     """What a drafter hands the engine: one drafter output -> a proposal."""
 
@@ -190,6 +235,54 @@ def walk_chain(table: jax.Array, candidates: jax.Array, sampling: SamplingParams
     choice, q = jnp.moveaxis(choice, 0, 1), jnp.moveaxis(q, 0, 1)
     tokens = jnp.take_along_axis(candidates, choice[..., None], -1)[..., 0]
     return tokens, choice, q
+
+
+def walk_chain_with_tail(table: jax.Array, candidates: jax.Array, logits: jax.Array,
+                         sampling: SamplingParams, chain_sampling: SamplingParams,
+                         rng: jax.Array) -> SplicedProposal:
+    """DSpine's walk with the base marginal's tail (sampled rows; greedy rows walk as
+    `walk_chain` does).
+
+    Slot i's q: the marginal m_i (warped by `sampling`) outside its candidates; on them,
+    m_i's mass there times r_i, the chain's row of the drawn predecessor warped by
+    `chain_sampling`, or m_i renormalised over the candidates when the predecessor is no
+    candidate of slot i-1 (the table has no row for it). Drawn as: a token from m_i (all
+    slots at once); if it is a candidate, a redraw from r_i. That is a draw from q_i.
+    table [B, S, C, C], candidates [B, S, C], logits [B, S, V] the marginal's."""
+    b, s, c = candidates.shape
+    marginal_key, walk_key = row_keys.split(rng, 2)
+    m = sample_marginal(logits, sampling, marginal_key)                 # tokens y [B, S]
+    t = jnp.where(sampling.temperature > 0, sampling.temperature, 1.0)[:, None, None]
+    scaled = jnp.take_along_axis(logits, candidates, -1).astype(jnp.float32) / t
+    inside = warped_probability(scaled, m.tau[..., None], m.log_norm[..., None])  # [B, S, C]
+    mass = jnp.sum(inside, -1)                                          # [B, S]
+    fallback = jnp.where(mass[..., None] > 0, inside / jnp.maximum(mass, 1e-30)[..., None],
+                         1.0 / c)
+    y_in = jnp.any(candidates == m.tokens[..., None], -1)               # [B, S]
+    hot = sampling.temperature > 0                                      # [B]
+
+    def step(pred, xs):
+        scores, cands, fall, mass_i, y, q_y, y_in_i, key = xs
+        given = jnp.take_along_axis(scores, jnp.maximum(pred, 0)[:, None, None], 1)[:, 0]
+        best = jnp.argmax(given, -1).astype(jnp.int32)                  # [B]
+        chain = jax.nn.softmax(warp_logits(given, chain_sampling), -1)   # [B, C]
+        r = jnp.where((pred >= 0)[:, None], chain, fall)
+        pick = row_keys.categorical(key, jnp.log(r)).astype(jnp.int32)
+        q_c = mass_i[:, None] * r
+        take = lambda x, i: jnp.take_along_axis(x, i[:, None], 1)[:, 0]  # noqa: E731
+        token = jnp.where(y_in_i, take(cands, pick), y)
+        q_tok = jnp.where(y_in_i, take(q_c, pick), q_y)
+        nxt = jnp.where(y_in_i, pick, -1)
+        return (jnp.where(hot, nxt, best),
+                (jnp.where(hot, token, take(cands, best)), jnp.where(hot, q_tok, 1.0),
+                 jnp.where(hot[:, None], q_c, jax.nn.one_hot(best, c))))
+
+    xs = (table, candidates, fallback, mass, m.tokens, m.q_tokens, y_in)
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in xs) + (row_keys.split(walk_key, s),)
+    _, (tokens, q_tokens, q) = jax.lax.scan(step, jnp.zeros((b,), jnp.int32), xs)
+    tokens, q_tokens, q = (jnp.moveaxis(x, 0, 1) for x in (tokens, q_tokens, q))
+    return SplicedProposal(tokens=tokens, q_tokens=q_tokens, candidates=candidates, q=q,
+                           logits=logits, sampling=sampling, tau=m.tau, log_norm=m.log_norm)
 
 
 def propose(drafter, out, anchor, output_embedding, sampling, rng, impl: str = "dense"):
