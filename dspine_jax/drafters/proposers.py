@@ -25,14 +25,14 @@ Shape legend: B batch, K block size, S = K - 1 drafted slots, C candidates, V vo
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from dspine_jax import row_keys
 from dspine_jax.drafters import DEFAULT_PROPOSAL_KERNEL, PROPOSALS
 from dspine_jax.sampling import SamplingParams, top_k_indices
 from dspine_jax.speculative.propose import (CandidateProposal, Proposal, SplicedProposal,
-                                            sample_dense, sample_marginal, walk_chain_with_tail)
+                                            sample_dense, sample_marginal, scan_slots,
+                                            walk_chain_with_tail)
 
 PROPOSAL_IMPLS = PROPOSALS
 # vocab_top_k's own implementation names are taken as they are (benchmarks time each).
@@ -162,10 +162,8 @@ class ChainProposer:
 
         keys = row_keys.split(rng, s)                                     # [S] or [S, B]
         start = jnp.zeros((b,), jnp.int32)                                # the anchor
-        # Unrolled: S is small and static; a GPU while loop syncs with the host every step.
-        _, (tokens, q) = jax.lax.scan(step, start, (jnp.moveaxis(table, 1, 0),
-                                                    jnp.moveaxis(candidates, 1, 0), keys),
-                                      unroll=True)
+        _, (tokens, q) = scan_slots(step, start, (jnp.moveaxis(table, 1, 0),
+                                                  jnp.moveaxis(candidates, 1, 0), keys))
         return Proposal(tokens=jnp.moveaxis(tokens, 0, 1), q=jnp.moveaxis(q, 0, 1))
 
 

@@ -21,8 +21,8 @@ Three kinds:
                      candidates' q, and the marginal's logits and warp stats for the rest
 
 The functions here work on arrays only (`sample_marginal`, `walk_chain`,
-`walk_chain_with_tail`); which drafter
-computes which arrays lives in `dspine_jax/drafters/proposers.py`.
+`walk_chain_with_tail`); which drafter computes which arrays lives in
+`dspine_jax/drafters/proposers.py`.
 
 Shape legend: B batch, K block size, S = K - 1 drafted slots, C candidates, V vocab.
 """
@@ -128,39 +128,28 @@ class MarginalProposal:
 class SplicedProposal:
     """DSpine's head with the base marginal's tail: q is `q` on each slot's C candidates
     and the marginal's warped softmax everywhere else (greedy rows: one-hot on the
-    candidates, no tail). The marginal's values come from its logits and warp statistics,
-    as in `MarginalProposal`, so nothing [S, V] is kept beyond the drafter's logits."""
+    candidates, no tail). The tail is the marginal's own `MarginalProposal` (its logits and
+    warp statistics), so nothing [S, V] is kept beyond the drafter's logits."""
     tokens: jax.Array      # [B, S]
     q_tokens: jax.Array    # [B, S]
     candidates: jax.Array  # [B, S, C] distinct per slot
     q: jax.Array           # [B, S, C] q on the candidates
-    logits: jax.Array      # [B, S, V] the marginal's logits
-    sampling: SamplingParams
-    tau: jax.Array         # [B, S] the marginal's warp threshold and log-normaliser
-    log_norm: jax.Array    # [B, S]
+    tail: MarginalProposal  # the base marginal, sampled rows' warp (not all greedy)
 
     def token_q(self) -> jax.Array:
         return self.q_tokens
 
-    def _tail(self, scaled, tau, log_norm) -> jax.Array:
-        """The marginal's probabilities of scaled logits, zero at greedy rows."""
-        probs = warped_probability(scaled, tau, log_norm)
-        hot = (self.sampling.temperature > 0).reshape((-1,) + (1,) * (scaled.ndim - 1))
-        return jnp.where(hot, probs, 0.0)
+    def _hot(self, ndim: int) -> jax.Array:
+        """Sampled rows, [B, 1, ...] to broadcast over ndim axes; greedy rows get no tail."""
+        return (self.tail.sampling.temperature > 0).reshape((-1,) + (1,) * (ndim - 1))
 
     def q_row(self, n: jax.Array) -> jax.Array:
-        t = jnp.where(self.sampling.temperature > 0, self.sampling.temperature, 1.0)
-        scaled = _pick_row(self.logits, n).astype(jnp.float32) / t[:, None]
-        tail = self._tail(scaled, _pick_row(self.tau, n)[:, None],
-                          _pick_row(self.log_norm, n)[:, None])
-        tail = jnp.where((n < self.tokens.shape[1])[:, None], tail, 0.0)   # [B, V]
+        tail = jnp.where(self._hot(2), self.tail.q_row(n), 0.0)                  # [B, V]
         ids, probs = _pick_row(self.candidates, n), _pick_row(self.q, n)    # [B, C]
         return tail.at[jnp.arange(ids.shape[0])[:, None], ids].set(probs)
 
     def dense_q(self) -> jax.Array:
-        t = jnp.where(self.sampling.temperature > 0, self.sampling.temperature, 1.0)
-        tail = self._tail(self.logits.astype(jnp.float32) / t[:, None, None],
-                          self.tau[..., None], self.log_norm[..., None])    # [B, S, V]
+        tail = jnp.where(self._hot(3), self.tail.dense_q(), 0.0)              # [B, S, V]
         b, s, _ = self.candidates.shape
         return tail.at[jnp.arange(b)[:, None, None], jnp.arange(s)[None, :, None],
                        self.candidates].set(self.q)
@@ -211,6 +200,12 @@ def sample_marginal(logits: jax.Array, sampling: SamplingParams,
                             logits=logits, sampling=sampling, tau=tau, log_norm=log_norm)
 
 
+def scan_slots(step, init, xs):
+    """`lax.scan` of a walk over the S drafted slots, unrolled: S is small and static, and
+    a GPU while loop reads its predicate back on the host at every step."""
+    return jax.lax.scan(step, init, xs, unroll=True)
+
+
 def walk_chain(table: jax.Array, candidates: jax.Array, sampling: SamplingParams,
                rng: jax.Array):
     """DSpine's walk from the anchor over a transition table.
@@ -229,9 +224,7 @@ def walk_chain(table: jax.Array, candidates: jax.Array, sampling: SamplingParams
 
     keys = row_keys.split(rng, table.shape[1])                          # [S] or [S, B]
     start = jnp.zeros((b,), jnp.int32)                                  # the anchor
-    # Unrolled: S is small and static; a GPU while loop syncs with the host every step.
-    _, (choice, q) = jax.lax.scan(step, start, (jnp.moveaxis(table, 1, 0), keys),
-                                  unroll=True)
+    _, (choice, q) = scan_slots(step, start, (jnp.moveaxis(table, 1, 0), keys))
     choice, q = jnp.moveaxis(choice, 0, 1), jnp.moveaxis(q, 0, 1)
     tokens = jnp.take_along_axis(candidates, choice[..., None], -1)[..., 0]
     return tokens, choice, q
@@ -279,10 +272,10 @@ def walk_chain_with_tail(table: jax.Array, candidates: jax.Array, logits: jax.Ar
 
     xs = (table, candidates, fallback, mass, m.tokens, m.q_tokens, y_in)
     xs = tuple(jnp.moveaxis(x, 1, 0) for x in xs) + (row_keys.split(walk_key, s),)
-    _, (tokens, q_tokens, q) = jax.lax.scan(step, jnp.zeros((b,), jnp.int32), xs)
+    _, (tokens, q_tokens, q) = scan_slots(step, jnp.zeros((b,), jnp.int32), xs)
     tokens, q_tokens, q = (jnp.moveaxis(x, 0, 1) for x in (tokens, q_tokens, q))
     return SplicedProposal(tokens=tokens, q_tokens=q_tokens, candidates=candidates, q=q,
-                           logits=logits, sampling=sampling, tau=m.tau, log_norm=m.log_norm)
+                           tail=m)
 
 
 def propose(drafter, out, anchor, output_embedding, sampling, rng, impl: str = "dense"):
