@@ -162,6 +162,21 @@ def plot(reports: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def heldout_prompts(ar: Pipeline, n: int, max_prompt_tokens: int) -> list[Prompt]:
+    """The first n held-out ShareGPT prompts (chat template) of at most max_prompt_tokens."""
+    held_out = (Prompt(p["prompt"], True) for p in sharegpt_prompts("heldout"))
+    return [p for p in held_out if len(ar.encode(p)) <= max_prompt_tokens][:n]
+
+
+def continuations(ar: Pipeline, prompts, max_new_tokens: int, temperature: float = 0.0,
+                  seed: int = 0):
+    """The target's own continuations: [(tokens [T] int32, prompt length)]."""
+    results = ar.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                          seed=seed, batch_size=len(prompts))
+    return [(np.asarray(ar.encode(p) + r.tokens, np.int32), len(ar.encode(p)))
+            for p, r in zip(prompts, results)]
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="smollm2-135m-instruct")
@@ -177,13 +192,8 @@ def main(argv=None) -> None:
 
     loaded = load_target(args.target, dtype=args.dtype)
     ar = Pipeline.from_loaded(loaded)
-    held_out = (Prompt(p["prompt"], True) for p in sharegpt_prompts("heldout"))
-    prompts = [p for p in held_out if len(ar.encode(p)) <= args.max_prompt_tokens]
-    prompts = prompts[:args.prompts]
-    greedy = ar.generate(prompts, max_new_tokens=args.max_new_tokens,
-                         batch_size=len(prompts))
-    sequences = [(np.asarray(ar.encode(p) + r.tokens, np.int32), len(ar.encode(p)))
-                 for p, r in zip(prompts, greedy)]
+    prompts = heldout_prompts(ar, args.prompts, args.max_prompt_tokens)
+    sequences = continuations(ar, prompts, args.max_new_tokens)
     reports = {}
     for folder in args.drafter:
         drafter = load_drafter(resolve_drafter(folder), dtype=loaded.model.dtype)

@@ -40,10 +40,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspine_benchmarks.drafter_diagnostics import accepted, chain_tokens
-from dspine_jax.api import Pipeline, Prompt
+from dspine_benchmarks.drafter_diagnostics import (accepted, chain_tokens, continuations,
+                                                   heldout_prompts)
+from dspine_jax.api import Pipeline
 from dspine_jax.checkpoints import load_target
-from dspine_jax.data.prompts import sharegpt_prompts
 from dspine_jax.drafters.checkpoint import load_drafter
 from dspine_jax.registry import resolve_drafter
 from dspine_jax.sampling import top_k_indices
@@ -57,14 +57,6 @@ CANDIDATES = (16, 32, 64, 128)   # C: the shipped head's 16 first
 
 
 # ----- contexts and the target's side ------------------------------------------------------
-def continuations(ar: Pipeline, prompts, max_new_tokens: int, temperature: float, seed: int):
-    """The target's own continuations: [(tokens [T] int32, prompt length)]."""
-    results = ar.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                          seed=seed, batch_size=len(prompts))
-    return [(np.asarray(ar.encode(p) + r.tokens, np.int32), len(ar.encode(p)))
-            for p, r in zip(prompts, results)]
-
-
 def at_slots(x, anchors: np.ndarray, s: int):
     """x [T, ...] -> [n, S, ...] at positions anchor + i for i = 0 .. S-1: the position
     whose output predicts slot i + 1."""
@@ -293,9 +285,7 @@ def main(argv=None) -> None:
     loaded = load_target(args.target, dtype=args.dtype)
     model = loaded.model
     ar = Pipeline.from_loaded(loaded)
-    held_out = (Prompt(p["prompt"], True) for p in sharegpt_prompts("heldout"))
-    prompts = [p for p in held_out if len(ar.encode(p)) <= args.max_prompt_tokens]
-    prompts = prompts[:args.prompts]
+    prompts = heldout_prompts(ar, args.prompts, args.max_prompt_tokens)
     flash = load_drafter(resolve_drafter(args.dflash), dtype=model.dtype)
     spine = load_drafter(resolve_drafter(args.dspine), dtype=model.dtype)
     report = {"settings": vars(args) | {"out": str(args.out)}}

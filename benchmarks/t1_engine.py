@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dspine_jax.api import Pipeline, Prompt
+from dspine_benchmarks.drafter_diagnostics import heldout_prompts
+from dspine_jax.api import Pipeline
 from dspine_jax.checkpoints import load_target
-from dspine_jax.data.prompts import sharegpt_prompts
 from dspine_jax.registry import resolve_drafter
 
 VARIANTS = {"dspine": {}, "dspine chain_temperature=1.5": {"chain_temperature": 1.5},
@@ -73,9 +73,7 @@ def main(argv=None) -> None:
 
     loaded = load_target(args.target)
     ar = Pipeline.from_loaded(loaded)
-    held_out = (Prompt(p["prompt"], True) for p in sharegpt_prompts("heldout"))
-    prompts = [p for p in held_out if len(ar.encode(p)) <= args.max_prompt_tokens]
-    prompts = prompts[:args.prompts]
+    prompts = heldout_prompts(ar, args.prompts, args.max_prompt_tokens)
     shipped = resolve_drafter(args.dspine)
     folders = {"dflash": resolve_drafter(args.dflash)}
     tmp = Path(tempfile.mkdtemp(prefix="t1_engine_"))
