@@ -9,9 +9,10 @@ tokens/s and tokens per verify pass (tau) for AR and every drafter, per batch si
 
 The target (default: the built-in SmolLM2-135M-Instruct) is loaded once by JAX and
 written as an HF folder (`save_target`) that transformers reads, so both sides hold the
-same dequantised weights in the same dtype. Prompts: JSONL {"prompt": text, "chat":
-bool} or {"token_ids": [...]}, the first --num-prompts of them; every row decodes
-exactly --max-new-tokens (EOS ignored), so both sides emit the same number of tokens.
+same dequantised weights in the same dtype. Prompts: JSONL as for `dspine generate
+--prompts-file` ({"prompt": text, "chat": bool}), the first --num-prompts of them; every
+row decodes exactly --max-new-tokens (EOS ignored), so both sides emit the same number of
+tokens.
 
 Timing: each (side, method, batch) first decodes one batch to compile / autotune, then
 all prompts in batches; tokens/s = all new tokens / decode seconds (JAX: the engine's own
@@ -52,20 +53,13 @@ def parse():
     return ap.parse_args()
 
 
-def read_prompts(path: str, tokenizer, n: int) -> list[list[int]]:
-    from dspine_jax.data.prompts import read_jsonl
+def read_prompts(path: str, n: int):
+    """The first n prompts of a JSONL file (the format of `dspine generate --prompts-file`),
+    checked before anything loads."""
+    from dspine_jax.cli import read_prompts_file
     from dspine_jax.errors import InputError
 
-    prompts = []
-    for line, row in read_jsonl(path):
-        if "token_ids" in row:
-            prompts.append([int(i) for i in row["token_ids"]])
-        elif row.get("chat"):
-            prompts.append(tokenizer.encode_chat([{"role": "user", "content": row["prompt"]}]))
-        else:
-            prompts.append(tokenizer.encode(row["prompt"]))
-        if len(prompts) == n:
-            break
+    prompts = read_prompts_file(Path(path), default_chat=False)[:n]
     if len(prompts) < n:
         raise InputError(f"{path}: {len(prompts)} prompts, --num-prompts asks for {n}")
     return prompts
@@ -100,8 +94,10 @@ def main():
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     tdtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    texts = read_prompts(args.prompts, args.num_prompts)
     loaded = load_target(args.target or DEFAULT_TARGET, dtype=args.dtype)
-    prompts = read_prompts(args.prompts, loaded.tokenizer, args.num_prompts)
+    encode = Pipeline.from_loaded(loaded).encode
+    prompts = [encode(p) for p in texts]
     folder = Path(tempfile.mkdtemp(prefix="loop_vs_engine_"))
     save_target(loaded.model, folder)
     hf_target = transformers.AutoModelForCausalLM.from_pretrained(
