@@ -67,6 +67,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dspine_benchmarks.kernel_cases import SHAPES, QuickBudget, op_bytes, plan
 from dspine_jax import row_keys
 from dspine_jax.drafters.injection import Injection
 from dspine_jax.drafters.model import BlockDrafter
@@ -80,11 +81,6 @@ from pallas_kernels.dspine_proposal import (
     walk_chain,
 )
 
-# Identical to torch_kernels.SHAPES.
-SHAPES = {"qwen3-8b": {"d": 4096, "v": 151936, "r": 512, "m": 256, "k": 16, "c": 16},
-          "smollm2-135m": {"d": 576, "v": 49152, "r": 512, "m": 256, "k": 16, "c": 16},
-          "tiny": {"d": 64, "v": 512, "r": 16, "m": 8, "k": 5, "c": 4}}
-QUICK_BUDGET_S = 50.0
 EPS = 1e-6
 BF16 = jnp.bfloat16
 
@@ -104,13 +100,12 @@ def parse(argv=None):
 
 
 class Case(NamedTuple):
-    """One timed call: fn(*args), jitted; nbytes by torch_kernels.py's formula."""
+    """One timed call: fn(*args), jitted (its bytes: `kernel_cases.op_bytes`)."""
     op: str
     variant: str
     implementation: str
     fn: Callable
     args: tuple
-    nbytes: int
 
 
 class _InjectingLayer:
@@ -200,8 +195,7 @@ def build_cases(s: dict, batch: int, pallas: tuple[str, bool] | None, seed: int 
     for impl, interpret in impls:
         fn = jax.jit(functools.partial(vocab_top_k, k=c, implementation=impl,
                                        interpret=interpret))
-        cases.append(Case("vocab_topk", f"C={c}", impl, fn, (hidden, lm_head),
-                          v * d * 2 + n * d * 2 + n * c * 12))
+        cases.append(Case("vocab_topk", f"C={c}", impl, fn, (hidden, lm_head)))
     _, ids = vocab_top_k(hidden, lm_head, c, implementation="xla")       # [N, C]
 
     # Slot j's predecessors: slot j-1's candidates (torch: ids.roll(1, 0)).
@@ -213,8 +207,7 @@ def build_cases(s: dict, batch: int, pallas: tuple[str, bool] | None, seed: int 
         return transition_table(pre, preds, rows, emb, w, EPS)           # [N, P=C, C]
 
     args = (hidden, preds, ids, lm_head, weights)
-    cases.append(Case("transition", f"C={c}", "xla", transition, args,
-                      n * (c * d * 2 + d * 2 + c * m * 4 + c * c * 4) + d * m * 2))
+    cases.append(Case("transition", f"C={c}", "xla", transition, args))
 
     table = transition(*args).reshape(batch, k - 1, c, c)               # [B, K-1, C, C]
     cands = ids.reshape(batch, k - 1, c)                                 # [B, K-1, C]
@@ -231,8 +224,7 @@ def build_cases(s: dict, batch: int, pallas: tuple[str, bool] | None, seed: int 
         fn = functools.partial(chain, greedy=t == 0)
         settings = (jnp.full((batch,), t, jnp.float32), jnp.full((batch,), p, jnp.float32),
                     jnp.full((batch,), top_k, jnp.int32))                # [B] each
-        cases.append(Case("chain_walk", variant, "xla", fn, (table, cands, *settings, rng),
-                          table.size * 4 // c + cands.size * 8 * 2))
+        cases.append(Case("chain_walk", variant, "xla", fn, (table, cands, *settings, rng)))
 
     h = randn(batch, k, d, dtype=BF16)                                   # [B, K, D]
     code = randn(batch, r)                                               # [B, r] sqrt(r) c
@@ -248,8 +240,7 @@ def build_cases(s: dict, batch: int, pallas: tuple[str, bool] | None, seed: int 
         out, gate = BlockDrafter._inject(layer, 0, h[:, None], None, None, None, None)
         return out[:, 0], gate[:, 0]                                     # [B, K, D], [B, K, m]
 
-    cases.append(Case("injection", f"r={r},m={m}", "xla", injection, (leaves, h, code),
-                      2 * (r * d + 3 * m * r + d * m) + 2 * h.size * 2))
+    cases.append(Case("injection", f"r={r},m={m}", "xla", injection, (leaves, h, code)))
 
     logits = randn(batch, k, v, scale=3.0)                               # [B, K, V]
     draft = jnp.argmax(logits[:, :-1], -1).astype(jnp.int32)             # [B, K-1]
@@ -273,8 +264,7 @@ def build_cases(s: dict, batch: int, pallas: tuple[str, bool] | None, seed: int 
         cases.append(Case("acceptance", variant, "xla",
                           functools.partial(accept, greedy=sampling.all_greedy),
                           (logits, draft, probs[..., 0], q_ids, probs, sampling.temperature,
-                           sampling.top_p, sampling.top_k, rng),
-                          logits.size * 4))
+                           sampling.top_p, sampling.top_k, rng)))
     return cases, ids
 
 
@@ -288,30 +278,15 @@ def agreement(case: Case, reference: Case) -> dict:
 def main(argv=None):
     args = parse(argv)
     sys.stdout.reconfigure(line_buffering=True)        # one flushed line per row
-    start = time.perf_counter()
+    budget = QuickBudget(args.quick)
     try:
         device = jax.devices()[0] if args.device == "auto" else jax.devices(args.device)[0]
     except RuntimeError as e:
         sys.exit(f"no {args.device} device ({e}); run with --device cpu for the smoke run")
     platform = device.platform
     cpu = platform == "cpu"
-    if args.quick:
-        args.shapes = args.shapes or ("tiny" if cpu else "smollm2-135m")
-        args.iters = args.iters or 10
-        args.repeats = min(args.repeats, 3)
-
-    def over_budget(what: str) -> bool:
-        if args.quick and time.perf_counter() - start > QUICK_BUDGET_S:
-            print(f"skipped (--quick budget of {QUICK_BUDGET_S:.0f} s spent): {what}")
-            return True
-        return False
-
-    shapes = (args.shapes.split(",") if args.shapes else (["tiny"] if cpu else
-                                                           ["qwen3-8b", "smollm2-135m"]))
-    batches = [int(b) for b in (args.batches.split(",") if args.batches else
-                                (["1"] if cpu else ["1", "8"]))]
-    iters = args.iters or (2 if cpu else 50)
-    repeats = 1 if cpu else args.repeats
+    shapes, batches, iters, repeats = plan(args, cpu)
+    over_budget = budget.spent
     with jax.default_device(device):
         copy_gbs = None if cpu else copy_bandwidth(iters, repeats)
         name = "cpu (Pallas interpreter)" if cpu else device.device_kind
@@ -329,10 +304,11 @@ def main(argv=None):
                 Path(args.out).write_text(json.dumps({**meta, "kernels": rows}, indent=1))
 
         def record(shape, batch, case: Case, us: float, extra: dict):
-            gbs = case.nbytes / us / 1e3
+            nbytes = op_bytes(case.op, SHAPES[shape], batch)
+            gbs = nbytes / us / 1e3
             row = dict(shape=shape, batch=batch, op=case.op, variant=case.variant,
                        implementation=case.implementation, us=round(us, 1),
-                       bytes=int(case.nbytes), gbs=round(gbs, 1),
+                       bytes=nbytes, gbs=round(gbs, 1),
                        pct_copy=round(100 * gbs / copy_gbs, 1) if copy_gbs else None, **extra)
             rows.append(row)
             print(f"{shape:13s} bs{batch:<2d} {case.op:11s} {case.variant:10s} "
@@ -364,7 +340,7 @@ def main(argv=None):
                            extra)
                 del cases
         save()
-    print(f"done in {time.perf_counter() - start:.1f} s")
+    print(f"done in {time.perf_counter() - budget.start:.1f} s")
     return rows
 
 

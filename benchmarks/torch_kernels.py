@@ -35,7 +35,8 @@ T = 0.8, implementation torch vs triton; tokens/s (all rows) over 64 new tokens 
 after one warm-up generation. At these sizes the figure is
 the loop's per-step overhead (Python, launches, host syncs), not model compute.
 
-Imports only torch, triton, transformers (for the loop) and dspine_torch.
+Imports only torch, triton, transformers (for the loop), dspine_torch and the plain-Python
+`kernel_cases` it shares with `jax_kernels.py` (shapes, byte counts, run plan).
 """
 
 from __future__ import annotations
@@ -50,9 +51,8 @@ import sys
 import time
 from pathlib import Path
 
-SHAPES = {"qwen3-8b": dict(d=4096, v=151936, r=512, m=256, k=16, c=16),
-          "smollm2-135m": dict(d=576, v=49152, r=512, m=256, k=16, c=16),
-          "tiny": dict(d=64, v=512, r=16, m=8, k=5, c=4)}
+from dspine_benchmarks.kernel_cases import SHAPES, QuickBudget, op_bytes, plan
+
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "torch_port"
 
 
@@ -71,23 +71,11 @@ def parse():
     return ap.parse_args()
 
 
-QUICK_BUDGET_S = 50.0
-
-
 def main():
     args = parse()
     sys.stdout.reconfigure(line_buffering=True)        # one flushed line per row
-    start = time.perf_counter()
-    if args.quick:
-        args.shapes = args.shapes or ("tiny" if args.device == "cpu" else "smollm2-135m")
-        args.iters = args.iters or 10
-        args.repeats = min(args.repeats, 3)
-
-    def over_budget(what: str) -> bool:
-        if args.quick and time.perf_counter() - start > QUICK_BUDGET_S:
-            print(f"skipped (--quick budget of {QUICK_BUDGET_S:.0f} s spent): {what}")
-            return True
-        return False
+    budget = QuickBudget(args.quick)
+    over_budget = budget.spent
 
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is imported
@@ -102,12 +90,7 @@ def main():
 
     device = torch.device(args.device)
     cpu = args.device == "cpu"
-    shapes = (args.shapes.split(",") if args.shapes else (["tiny"] if cpu else
-                                                           ["qwen3-8b", "smollm2-135m"]))
-    batches = [int(b) for b in (args.batches.split(",") if args.batches else
-                                (["1"] if cpu else ["1", "8"]))]
-    iters = args.iters or (2 if cpu else 50)
-    repeats = 1 if cpu else args.repeats
+    shapes, batches, iters, repeats = plan(args, cpu)
     bf16 = torch.bfloat16
 
     def timed(fn) -> float:
@@ -155,7 +138,8 @@ def main():
             Path(args.out).write_text(json.dumps({**meta, "kernels": rows, "loop": loop_rows},
                                                  indent=1))
 
-    def record(shape, batch, op, variant, ref_us, tri_us, nbytes):
+    def record(shape, batch, op, variant, ref_us, tri_us):
+        nbytes = op_bytes(op, SHAPES[shape], batch)
         row = dict(shape=shape, batch=batch, op=op, variant=variant, torch_us=round(ref_us, 1),
                    triton_us=round(tri_us, 1), speedup=round(ref_us / tri_us, 2),
                    bytes=int(nbytes), triton_gbs=round(nbytes / tri_us / 1e3, 1),
@@ -194,7 +178,7 @@ def main():
             both = {impl: (lambda impl=impl: dspine_proposal.vocab_topk(
                 hidden, lm_head, c, implementation=impl)) for impl in ("torch", "triton")}
             record(name, batch, "vocab_topk", f"C={c}", timed(both["torch"]),
-                   timed(both["triton"]), v * d * 2 + n * d * 2 + n * c * 12)
+                   timed(both["triton"]))
             _, ids = dspine_proposal.vocab_topk(hidden, lm_head, c)
             preds = ids.roll(1, 0)
             gu = dspine_proposal.gated_messages(head, hidden, preds, lm_head)
@@ -202,8 +186,7 @@ def main():
                 head, hidden, gu, ids, lm_head, implementation=impl))
                 for impl in ("torch", "triton")}
             record(name, batch, "transition", f"C={c}", timed(both["torch"]),
-                   timed(both["triton"]), n * (c * d * 2 + d * 2 + c * m * 4 + c * c * 4)
-                   + d * m * 2)
+                   timed(both["triton"]))
             table = dspine_proposal.transition_table(head, hidden, gu, ids, lm_head)
             table = table.reshape(batch, k - 1, c, c)
             cands = ids.reshape(batch, k - 1, c)
@@ -212,7 +195,7 @@ def main():
                 both = {impl: (lambda impl=impl: dspine_proposal.chain_walk(
                     table, cands, *warp, u, implementation=impl)) for impl in ("torch", "triton")}
                 record(name, batch, "chain_walk", variant, timed(both["torch"]),
-                       timed(both["triton"]), table.numel() * 4 // c + cands.numel() * 8 * 2)
+                       timed(both["triton"]))
             h = randn(batch, k, d, dtype=bf16)
             code = randn(batch, r)
             weights = (head.readout, head.receiver_gate, head.predecessor_gate, head.bias,
@@ -220,7 +203,7 @@ def main():
             both = {impl: (lambda impl=impl: gated_injection.inject(
                 h, code, *weights, implementation=impl)) for impl in ("torch", "triton")}
             record(name, batch, "injection", f"r={r},m={m}", timed(both["torch"]),
-                   timed(both["triton"]), 2 * (r * d + 3 * m * r + d * m) + 2 * h.numel() * 2)
+                   timed(both["triton"]))
             logits = randn(batch, k, v, scale=3.0)
             draft = logits[:, :-1].argmax(-1)
             draft[:, k // 2] = (draft[:, k // 2] + 1) % v
@@ -232,7 +215,7 @@ def main():
                     logits, draft, q_ids, probs, temp, 1.0, 0, u_a, u_n, implementation=impl))
                     for impl in ("torch", "triton")}
                 record(name, batch, "acceptance", variant, timed(both["torch"]),
-                       timed(both["triton"]), logits.numel() * 4)
+                       timed(both["triton"]))
             del logits
         del lm_head
 
@@ -241,7 +224,7 @@ def main():
         loop_tokens_per_second(device, cpu, loop_batches, 32 if args.quick else None,
                                loop_rows, save, over_budget)
     save()
-    print(f"done in {time.perf_counter() - start:.1f} s")
+    print(f"done in {time.perf_counter() - budget.start:.1f} s")
 
 
 def loop_tokens_per_second(device, cpu: bool, batches, new_tokens, rows, save, over_budget):
