@@ -6,6 +6,10 @@ Writes a dataset of random token sequences (throughput does not depend on their 
 runs `dspine train` for --steps steps and reports the steady-state figures the trainer
 logs (the first, compiling step excluded). MFU counts matmul FLOPs (target forward,
 drafter forward + backward, vocabulary products) against the 989 TFLOP/s bf16 peak.
+
+--profile N traces the run with jax.profiler and lists the N operations with the most
+device time per step (profile_step's summary), with the time in matmul kernels, XLA's
+TopK and everything else.
 """
 
 from __future__ import annotations
@@ -34,6 +38,33 @@ def synthetic_dataset(folder: Path, vocab: int, num: int, seq_len: int, prompt: 
          "response_tokens": num * (seq_len - prompt)}], "skipped_long_prompts": 0})
 
 
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    if any(w in low for w in ("gemm", "cublas", "cutlass", "xmma", "dot", "matmul")):
+        return "matmul"
+    return "topk" if "topk" in low or "top_k" in low else "other"
+
+
+def traced(run, folder: Path, steps: int, top: int) -> dict:
+    """Run `run` under the profiler; device time per step, by kind and by operation."""
+    import gzip
+    from collections import Counter
+
+    import jax
+
+    from dspine_benchmarks.profile_step import device_events, summarise
+
+    with jax.profiler.trace(str(folder), create_perfetto_trace=True):
+        run()
+    [path] = sorted(folder.rglob("*.trace.json.gz"))[-1:]
+    with gzip.open(path) as f:
+        events = device_events(json.load(f))
+    kinds = Counter()
+    for e in events:
+        kinds[kernel_kind(e["name"])] += e["dur"] / steps
+    return {**summarise(events, steps, top), "by_kind_us": dict(kinds)}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--target", default="preset:smollm2-135m")
@@ -44,6 +75,8 @@ def main():
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--blocks", type=int, default=32)
     p.add_argument("--out", default=None)
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="trace the run and list the N costliest operations per step")
     args = p.parse_args()
     from dspine_jax.checkpoints import load_target
 
@@ -61,7 +94,11 @@ def main():
                     "batch_size": args.batch, "log_every": log_every,
                     "checkpoint_every": 10 ** 9},
         })
-        train(cfg, progress=False)
+        if args.profile:
+            profile = traced(lambda: train(cfg, progress=False), Path(tmp) / "trace",
+                             args.steps + 1, args.profile)
+        else:
+            train(cfg, progress=False)
         with open(Path(tmp) / "run" / "metrics.csv") as f:
             rows = list(csv.DictReader(f))
     last = rows[-1]
@@ -70,6 +107,12 @@ def main():
                   tokens_per_s=float(last["tokens_per_s"]),
                   mfu=float(last["mfu"]) if last.get("mfu") else None,
                   loss=float(last["loss"]), date=str(date.today()))
+    if args.profile:
+        result["profile"] = profile
+        print(f"device time per step {profile['device_us_per_pass'] / 1e3:.1f} ms: "
+              + ", ".join(f"{k} {v / 1e3:.1f}" for k, v in profile["by_kind_us"].items()))
+        for row in profile["top"]:
+            print(f"{row['us_per_pass']:9.1f} us {row['share']:6.1%}  {row['op'][:100]}")
     print(json.dumps(result))
     if args.out:
         with open(args.out, "a") as f:

@@ -9,6 +9,8 @@ Shape legend:
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -16,6 +18,27 @@ from flax import nnx
 # Finite, so a query whose every key is masked (a padding row) gives a uniform
 # softmax instead of NaN; such rows are never read.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def einsum_f32(subscripts: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """einsum accumulated and returned in float32 (logits, attention scores), whose
+    gradient products run in the operands' own dtype. Plain autodiff would meet the
+    float32 cotangent with the bf16 operands and run both backward matmuls in float32."""
+    return jnp.einsum(subscripts, a, b, preferred_element_type=jnp.float32)
+
+
+def _einsum_f32_fwd(subscripts, a, b):
+    return einsum_f32(subscripts, a, b), (a, b)
+
+
+def _einsum_f32_bwd(subscripts, saved, g):
+    a, b = saved
+    _, vjp = jax.vjp(lambda a, b: jnp.einsum(subscripts, a, b), a, b)
+    return vjp(g.astype(jnp.result_type(a, b)))
+
+
+einsum_f32.defvjp(_einsum_f32_fwd, _einsum_f32_bwd)
 
 
 def _init(rngs: nnx.Rngs, shape, dtype, scale=0.02):
@@ -80,7 +103,7 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     kv_heads = k.shape[2]
     q = q.reshape(b, t, kv_heads, n // kv_heads, h)
     # [B, K, G, T, S]
-    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
+    scores = einsum_f32("BTKGH,BSKH->BKGTS", q, k)
     scores = jnp.where(mask[:, None, None], scores * (h ** -0.5), MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)

@@ -223,3 +223,31 @@ def test_drafter_and_target_mismatch_is_named(target):
     with pytest.raises(ConfigError, match="transfer_rank \\(128\\) must not exceed"):
         DrafterConfig.for_target(TARGET, kind="dspine", mask_token_id=3,
                                  dspine=DSpineConfig(transfer_rank=128))
+
+
+def test_einsum_f32_gradients_run_in_the_operands_dtype():
+    """Forward: the float32-accumulated einsum itself. Backward: bf16 gradients (XLA would
+    otherwise run both gradient matmuls in float32), equal to float64 autodiff within bf16
+    rounding."""
+    from dspine_jax.layers import einsum_f32
+
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((3, 5, 8)).astype(np.float32)
+    b = rng.standard_normal((7, 8)).astype(np.float32)
+    g = rng.standard_normal((3, 5, 7)).astype(np.float32)
+    a16, b16 = jnp.asarray(a, jnp.bfloat16), jnp.asarray(b, jnp.bfloat16)
+    out, vjp = jax.vjp(lambda x, y: einsum_f32("TQD,VD->TQV", x, y), a16, b16)
+    assert out.dtype == jnp.float32
+    np.testing.assert_array_equal(out, jnp.einsum("TQD,VD->TQV", a16, b16,
+                                                  preferred_element_type=jnp.float32))
+    da, db = vjp(jnp.asarray(g))
+    assert da.dtype == db.dtype == jnp.bfloat16
+    a64, b64, g64 = (np.asarray(x, np.float64) for x in (a16, b16, g))
+    np.testing.assert_allclose(np.asarray(da, np.float64), np.einsum("TQV,VD->TQD", g64, b64),
+                               rtol=3e-2, atol=3e-2)
+    np.testing.assert_allclose(np.asarray(db, np.float64), np.einsum("TQV,TQD->VD", g64, a64),
+                               rtol=3e-2, atol=6e-2)
+    # float32 operands: exactly float32 autodiff
+    ref = jax.grad(lambda x: jnp.sum(jnp.einsum("TQD,VD->TQV", x, b) * g))(a)
+    np.testing.assert_allclose(jax.grad(lambda x: jnp.sum(einsum_f32("TQD,VD->TQV", x, b) * g))(a),
+                               ref, rtol=1e-6, atol=1e-6)

@@ -405,3 +405,40 @@ def test_two_gpus_compute_what_one_gpu_computes(workspace, tmp_path, mesh):
                              str(tmp_path / "c.toml"), *sets], capture_output=True, text=True,
                             env=env, cwd=ROOT, timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+def test_the_drafter_trains_in_the_compute_dtype(workspace, tmp_path, monkeypatch):
+    """With run.compute_dtype bf16, every matmul of the step runs in bf16 except the
+    transfer-space codes, which are float32 by design (operand [D, r]). A drafter whose
+    activations stayed float32 ran all of them in float32: 8% MFU on the H200."""
+    import re
+
+    import jax
+
+    from dspine_train import trainer
+
+    lowered, real_jit = {}, jax.jit
+
+    def capture(fn, **kwargs):
+        compiled = real_jit(fn, **kwargs)
+
+        def first_call(*args):
+            lowered["text"] = compiled.lower(*args).as_text()
+            raise KeyboardInterrupt  # enough: the program is what this test reads
+        return first_call
+
+    monkeypatch.setattr(trainer.jax, "jit", capture)
+    (tmp_path / "c.toml").write_text(config_text(
+        workspace, tmp_path / "run", steps=2, target={"dtype": "bf16"},
+        run={"compute_dtype": "bf16"}))
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train(load_config(tmp_path / "c.toml", []), progress=False)
+    dots = re.findall(r"stablehlo\.dot_general .*?: \(tensor<([\dx]+)x(\w+)>, "
+                      r"tensor<([\dx]+)x(\w+)>\)", lowered["text"])
+    assert len(dots) > 50
+    config = json.loads((workspace / "model" / "config.json").read_text())
+    hidden = config["hidden_size"]
+    float32 = [d for d in dots if "f32" in (d[1], d[3])]
+    transfer = [d for d in float32 if re.fullmatch(rf"{hidden}x\d+", d[2])]
+    assert float32 == transfer, float32[:5]
+    assert sum(d[1] == d[3] == "bf16" for d in dots) > 0.8 * len(dots)

@@ -52,6 +52,9 @@ def make_step(cfg: TrainConfig, target_graph, drafter_graph, tx, loss_config,
             cast = lambda x: x.astype(compute_dtype)  # noqa: E731
             # `rest` (DSpine's fixed transfer basis) stays float32.
             drafter = nnx.merge(drafter_graph, jax.tree.map(cast, params), rest)
+            # Activations follow the drafter's own dtype (float32 as built for training);
+            # without this the bf16 weights meet float32 inputs and every matmul runs in f32.
+            drafter.dtype = compute_dtype
             draft = drafter.forward_train(tokens, features, anchors, e_in, e_out,
                                           replace=replace,
                                           replace_layers=loss_config.replacement_layers)

@@ -33,7 +33,7 @@ from dspine_jax.drafters.injection import Injection
 from dspine_jax.drafters.transfer import (TransferSpace, build_transfer_space, code_table,
                                           transfer_codes)
 from dspine_jax.kv_cache import PagedKVCache
-from dspine_jax.layers import Linear, RMSNorm
+from dspine_jax.layers import Linear, RMSNorm, einsum_f32
 from dspine_jax.target import DecoderLayer
 
 
@@ -190,8 +190,7 @@ class BlockDrafter(nnx.Module):
                     gates.append(jnp.mean(gate[:, :, 1:]))
                 features.append(self.injection.feature(i, h))
         final = self.norm(h)
-        logits = jnp.einsum("BnKD,VD->BnKV", final, output_embedding.astype(final.dtype),
-                            preferred_element_type=jnp.float32)
+        logits = einsum_f32("BnKD,VD->BnKV", final, output_embedding.astype(final.dtype))
         return DraftOutput(
             logits=logits, hidden=final, pre_injection=pre_injection,
             features=jnp.stack(features) if features else None,
@@ -299,8 +298,7 @@ class BlockDrafter(nnx.Module):
         E_out [V, D] -> [..., P, C] float32.
         Redoes the last layer's write with p = sqrt(r) c_a, then the final norm."""
         refined = self.refined_state(pre_injection, predecessors, output_embedding)
-        return jnp.einsum("...PD,...CD->...PC", refined, candidate_rows.astype(refined.dtype),
-                          preferred_element_type=jnp.float32)
+        return einsum_f32("...PD,...CD->...PC", refined, candidate_rows.astype(refined.dtype))
 
     def refined_state(self, pre_injection: jax.Array, predecessors: jax.Array,
                       output_embedding: jax.Array) -> jax.Array:
