@@ -51,8 +51,13 @@ from dspine_train.step import make_step
 from dspine_train.stopping import StopRequest
 
 
-def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
-    """Train (or resume) and export the drafter; returns a summary."""
+def train(cfg: TrainConfig, *, progress: bool = True, trace_dir: Path | None = None,
+          trace_steps: int = 0) -> dict:
+    """Train (or resume) and export the drafter; returns a summary.
+
+    trace_dir: a jax.profiler trace of `trace_steps` steps after the compiling first one
+    (on the H200 a trace that also covered the compilation held almost none of the
+    steps' kernels)."""
     from tqdm import tqdm
 
     out = Path(cfg.run.out)
@@ -142,6 +147,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
     bar = tqdm(total=cfg.run.steps, initial=step, disable=not (progress and lead), unit="step",
                desc=f"train {dc.kind}")
     window_start, window_steps, last, timing = time.perf_counter(), 0, {}, False
+    tracing = False
     cached = open_features(cfg, dc, len(stream.tokens)) if cfg.data.cached_features else None
     stopping = StopRequest(cfg.run.max_seconds)
     try:
@@ -166,6 +172,13 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
             if not timing:  # the first step compiled: time from here on
                 jax.block_until_ready(params)
                 window_start, window_steps, timing = time.perf_counter(), 0, True
+                if trace_dir is not None:
+                    jax.profiler.start_trace(str(trace_dir), create_perfetto_trace=True)
+                    tracing, trace_until = True, step + trace_steps
+            elif tracing and step == trace_until:
+                jax.block_until_ready(params)
+                jax.profiler.stop_trace()
+                tracing = False
             if (step % cfg.run.log_every == 0 or step == stop_at) and window_steps:
                 metrics = jax.device_get(metrics)
                 elapsed = time.perf_counter() - window_start
@@ -190,8 +203,10 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
                                  {"step": step, "data_position": stream.position,
                                   "config": _resumable(cfg), "drafter": architecture})
         bar.close()
-    finally:  # an exception must not leave our SIGTERM handler installed
+    finally:  # an exception must not leave our SIGTERM handler installed (nor a trace open)
         stopping.release()
+        if tracing:
+            jax.profiler.stop_trace()
     checkpoints.wait()
     finished = step >= cfg.run.steps
     summary = {"steps": step, "finished": finished, "out": str(out), "origin": origin,
