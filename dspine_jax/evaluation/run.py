@@ -8,10 +8,12 @@ time (compilation excluded); speedup = a method's tokens/s over AR's on that ben
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 from collections import Counter
 from pathlib import Path
 
+import jax
 from tqdm import tqdm
 
 from dspine_jax.api import (Pipeline, Prompt, check_attention_backend, check_proposal,
@@ -23,23 +25,36 @@ from dspine_jax.errors import InputError
 from dspine_jax.evaluation.benchmarks import load_benchmark
 
 
-def run_method(pipe: Pipeline, prompts: list[dict], *, batch_size: int, room: int,
-               **options) -> dict:
-    """Decode the prompts of at most `room` tokens (the same set for every method).
+def fitting_prompts(pipe: Pipeline, prompts: list[dict], room: int,
+                    max_new_tokens: int) -> tuple[list[list[int]], int]:
+    """(token ids of the prompts of at most `room` tokens, how many were longer): the
+    longer ones are counted, not cut."""
+    encoded = [pipe.encode(Prompt(p["prompt"], p["chat"])) for p in prompts]
+    fitting = [ids for ids in encoded if len(ids) <= room]
+    if not fitting:
+        raise InputError(f"no prompt fits the context with max_new_tokens="
+                         f"{max_new_tokens}; lower it")
+    return fitting, len(prompts) - len(fitting)
+
+
+def warm_up(pipe: Pipeline, fitting: list[list[int]], batch_size: int, **options) -> float:
+    """Compile the first batch's programs and run each once (one prefill, one decode
+    call: the first run of a program loads it); -> compile seconds. Safe to call from
+    several threads for different pipelines."""
+    run = pipe.decoder.prepare(padded_batch(fitting[:batch_size], batch_size), **options)
+    jax.block_until_ready(run.decode(run.prefill()))
+    return run.compile_seconds
+
+
+def run_method(pipe: Pipeline, fitting: list[list[int]], skipped: int, *, batch_size: int,
+               compile_seconds: float = 0.0, **options) -> dict:
+    """Decode the prompts that fit (the same set for every method), after `warm_up`.
 
     Every batch has exactly `batch_size` rows (a short last batch is padded with copies
     of its last prompt, left out of the counts), so one compiled shape serves all."""
     tokens = 0
     accept_lengths: list[int] = []
-    seconds = compile_seconds = 0.0
-    encoded = [pipe.encode(Prompt(p["prompt"], p["chat"])) for p in prompts]
-    fitting = [ids for ids in encoded if len(ids) <= room]  # the rest are counted, not cut
-    if not fitting:
-        raise InputError(f"no prompt fits the context with max_new_tokens="
-                         f"{options['max_new_tokens']}; lower it")
-
-    warm = pipe.decoder.generate(padded_batch(fitting[:batch_size], batch_size), **options)
-    compile_seconds += warm.compile_seconds
+    seconds = 0.0
     for start in range(0, len(fitting), batch_size):
         chunk = fitting[start:start + batch_size]
         batch = pipe.decoder.generate(padded_batch(chunk, batch_size), **options)
@@ -48,10 +63,26 @@ def run_method(pipe: Pipeline, prompts: list[dict], *, batch_size: int, room: in
         for g in batch.generations[:len(chunk)]:
             tokens += len(g.tokens)
             accept_lengths += g.accept_lengths
-    return {"prompts": len(fitting), "skipped_too_long": len(prompts) - len(fitting),
+    return {"prompts": len(fitting), "skipped_too_long": skipped,
             "tokens": tokens, "seconds": seconds, "compile_seconds": compile_seconds,
             "tokens_per_second": tokens / max(seconds, 1e-9),
             "accept_length": mean_accept_length(accept_lengths)}  # pooled over prompts
+
+
+def run_benchmark(pipes: dict[str, Pipeline], prompts: list[dict], *, batch_size: int,
+                  room: int, **options) -> dict[str, dict]:
+    """Every method on one benchmark: the methods' programs compile side by side in
+    threads (XLA compiles outside the GIL), then each method decodes alone, so timings
+    never overlap."""
+    inputs = {label: fitting_prompts(pipe, prompts, room, options["max_new_tokens"])
+              for label, pipe in pipes.items()}
+    with concurrent.futures.ThreadPoolExecutor(len(pipes)) as pool:
+        compiles = {label: pool.submit(warm_up, pipe, inputs[label][0], batch_size, **options)
+                    for label, pipe in pipes.items()}
+        compiled = {label: future.result() for label, future in compiles.items()}
+    return {label: run_method(pipe, *inputs[label], batch_size=batch_size,
+                              compile_seconds=compiled[label], **options)
+            for label, pipe in pipes.items()}
 
 
 def drafter_labels(methods: list[str], paths: list[str]) -> list[str]:
@@ -106,9 +137,7 @@ def evaluate(target: str, drafters: list[str], benchmarks: list[str], out: Path,
         room = min(room, max_prompt_tokens)
     table: dict[str, dict[str, dict]] = {}
     for name in tqdm(benchmarks, desc="benchmarks"):
-        row = {label: run_method(pipe, suites[name], batch_size=batch_size, room=room,
-                                 **options)
-               for label, pipe in pipes.items()}
+        row = run_benchmark(pipes, suites[name], batch_size=batch_size, room=room, **options)
         for result in row.values():
             result["speedup"] = result["tokens_per_second"] / row["ar"]["tokens_per_second"]
         table[name] = row
