@@ -225,6 +225,7 @@ def test_slot_engine_gives_each_response_its_own_seed(tiny, tmp_path, monkeypatc
     for shard in (2, 6):  # other responses beside each one (one compiled engine: test time)
         manifest = regen.regenerate(tmp_path / f"shard{shard}", shard_size=shard, **kw)
         assert manifest["settings"]["engine"] == "slots"
+        assert manifest["compile_seconds"] > 0  # every call shape compiled before decoding
         runs[shard] = [s.tokens.tolist() for s in load_dataset(tmp_path / f"shard{shard}")]
     assert runs[2] == runs[6] and len(runs[2]) == 5 * 3
     # A pool of one full request's pages for the 4 slots: responses are preempted and
