@@ -71,6 +71,8 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--blocks", type=int, default=32)
+    p.add_argument("--target-attention", default="xla", choices=("xla", "cudnn"),
+                   help="the frozen target's attention (target.attention)")
     p.add_argument("--out", default=None)
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="trace the run and list the N costliest operations per step")
@@ -84,7 +86,7 @@ def main(argv=None):
         synthetic_dataset(data, vocab, 4 * args.batch, args.seq_len, args.seq_len // 4)
         log_every = max(1, args.steps // 3)
         cfg = from_dict({
-            "target": {"name": args.target},
+            "target": {"name": args.target, "attention": args.target_attention},
             "drafter": {"kind": args.kind, "layers": args.layers, "mask_token_id": 1},
             "data": {"path": str(data), "seq_len": args.seq_len, "blocks_per_seq": args.blocks},
             "run": {"out": str(Path(tmp) / "run"), "steps": args.steps + 1,
@@ -100,6 +102,7 @@ def main(argv=None):
             rows = list(csv.DictReader(f))
     last = rows[-1]
     result = dict(target=args.target, kind=args.kind, layers=args.layers, batch=args.batch,
+                  target_attention=args.target_attention,
                   seq_len=args.seq_len, blocks_per_seq=args.blocks,
                   tokens_per_s=float(last["tokens_per_s"]),
                   mfu=float(last["mfu"]) if last.get("mfu") else None,

@@ -442,3 +442,94 @@ def test_the_drafter_trains_in_the_compute_dtype(workspace, tmp_path, monkeypatc
     transfer = [d for d in float32 if re.fullmatch(rf"{hidden}x\d+", d[2])]
     assert float32 == transfer, float32[:5]
     assert sum(d[1] == d[3] == "bf16" for d in dots) > 0.8 * len(dots)
+
+
+def test_cudnn_target_attention_computes_the_reference_attention():
+    """CudnnBackend's call (layout, GQA, causal mask, scale) through jax.nn's XLA path
+    equals the reference attention on right-padded causal inputs; a paged or non-causal
+    call goes the XLA way."""
+    import jax
+    import jax.numpy as jnp
+
+    from dspine_jax.attention.backend import CudnnBackend, XlaBackend
+    from dspine_jax.attention.metadata import AttentionMetadata
+
+    b, t, n, kv, h = 2, 12, 6, 2, 16
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (b, t, n, h))
+    k = jax.random.normal(keys[1], (b, t, kv, h))
+    v = jax.random.normal(keys[2], (b, t, kv, h))
+    causal = AttentionMetadata.causal(jnp.broadcast_to(jnp.arange(t), (b, t)))
+    want, _ = XlaBackend()(q, k, v, causal)
+    got, pages = CudnnBackend(implementation="xla")(q, k, v, causal)
+    assert pages is None
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    block = AttentionMetadata.dense(causal.positions, jnp.ones((b, t, t), bool),
+                                    "bidirectional_block")
+    np.testing.assert_array_equal(CudnnBackend(implementation="xla")(q, k, v, block)[0],
+                                  XlaBackend()(q, k, v, block)[0])
+
+
+def test_target_attention_option_is_checked_before_the_target_loads(tmp_path):
+    from dspine_train.trainer import train
+
+    with pytest.raises(ConfigError, match="target.attention must be 'xla' or 'cudnn'"):
+        load_config_text(tmp_path, {"attention": "flash"})
+    cfg = load_config_text(tmp_path, {"attention": "cudnn", "dtype": "bf16",
+                                      "name": str(tmp_path / "no-such-target")})
+    with pytest.raises(ConfigError, match="does not run on the cpu platform"):
+        train(cfg, progress=False)
+
+
+def load_config_text(tmp_path, target: dict):
+    (tmp_path / "c.toml").write_text(config_text(tmp_path, tmp_path / "run", target=target))
+    return load_config(tmp_path / "c.toml", [])
+
+
+def test_training_runs_the_target_through_its_attention_option(workspace, tmp_path,
+                                                              monkeypatch):
+    """The step's target forward uses target.attention's backend: through jax.nn's XLA
+    path the cudnn call trains like the reference attention."""
+    from dspine_jax.attention.backend import CudnnBackend
+    from dspine_train import trainer
+
+    curves = {}
+    for name in ("xla", "cudnn-as-xla"):
+        if name != "xla":
+            calls = []
+
+            class Counting(CudnnBackend):
+                def __call__(self, *args, **kwargs):
+                    calls.append(1)
+                    return super().__call__(*args, **kwargs)
+            monkeypatch.setattr(trainer, "training_target_attention",
+                                lambda cfg: Counting(implementation="xla"))
+        out = tmp_path / name
+        (tmp_path / f"{name}.toml").write_text(config_text(workspace, out, steps=4))
+        trainer.train(load_config(tmp_path / f"{name}.toml", []), progress=False)
+        with open(out / "metrics.csv") as f:
+            curves[name] = [float(line.split(",")[1]) for line in list(f)[1:]]
+    assert calls  # the target's layers called the backend while tracing the step
+    np.testing.assert_allclose(curves["cudnn-as-xla"], curves["xla"], rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_cudnn_target_attention_on_a_gpu():
+    import jax
+    import jax.numpy as jnp
+
+    from dspine_jax.attention.backend import CudnnBackend, XlaBackend
+    from dspine_jax.attention.metadata import AttentionMetadata
+
+    if jax.default_backend() != "gpu":
+        pytest.skip(f"needs a CUDA GPU; JAX backend here is {jax.default_backend()!r}")
+    b, t, n, kv, h = 4, 512, 9, 3, 64
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(key, (b, t, heads, h), jnp.bfloat16)
+               for key, heads in zip(keys, (n, kv, kv)))
+    causal = AttentionMetadata.causal(jnp.broadcast_to(jnp.arange(t), (b, t)))
+    want = XlaBackend()(q.astype(jnp.float32), k.astype(jnp.float32),
+                        v.astype(jnp.float32), causal)[0]
+    got = CudnnBackend()(q, k, v, causal)[0]
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=2e-2, rtol=2e-2)

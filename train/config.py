@@ -24,6 +24,14 @@ from dspine_jax.losses import LossConfig
 class TargetSection:
     name: str = "smollm2-135m-instruct"
     dtype: str = "auto"                    # the frozen target's compute dtype
+    attention: str = "xla"                 # its attention in training: xla (everywhere) or
+                                           # cudnn (fused, never writes the scores; CUDA
+                                           # GPUs, bf16)
+
+    def __post_init__(self):
+        if self.attention not in ("xla", "cudnn"):
+            raise ConfigError(f"target.attention must be 'xla' or 'cudnn', got "
+                              f"{self.attention!r}")
 
 
 @dataclasses.dataclass(frozen=True)

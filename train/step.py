@@ -18,7 +18,7 @@ from dspine_train.config import TrainConfig
 
 
 def make_step(cfg: TrainConfig, target_graph, drafter_graph, tx, loss_config,
-              drafter_config: DrafterConfig, compute_dtype, mesh):
+              drafter_config: DrafterConfig, compute_dtype, mesh, *, target_attention=None):
     """The jitted training step. Every array it reads is an argument: a closed-over array
     would be baked into the compiled program as a constant (DSpine's transfer basis is
     [H, r]) and recompiled with every new drafter.
@@ -30,7 +30,9 @@ def make_step(cfg: TrainConfig, target_graph, drafter_graph, tx, loss_config,
     partitioning of the drafter's loss and its backward pass computed NaN (data
     parallel) and wrong DSpine terms (fsdp) on two H200s, while matching on CPU devices
     (docs/benchmarks.md, "Multi-GPU training"). Under fsdp the parameters and optimizer
-    state stay split between steps and are gathered for the loss."""
+    state stay split between steps and are gathered for the loss.
+
+    target_attention: the frozen target's attention backend (default: dense XLA)."""
     k = drafter_config.block_size
     n = cfg.data.blocks_per_seq
     ids = drafter_config.target_layer_ids
@@ -78,7 +80,8 @@ def make_step(cfg: TrainConfig, target_graph, drafter_graph, tx, loss_config,
         target = nnx.merge(target_graph, target_params)
         rng, anchor_key, replace_key = jax.random.split(rng, 3)
         if features is None:
-            out = target(tokens, hidden_layer_ids=ids, return_logits=False)
+            out = target(tokens, hidden_layer_ids=ids, return_logits=False,
+                         attention=target_attention)
             features = out.features()
             final_hidden = out.final_hidden
         features = jax.lax.stop_gradient(features)

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dspine_jax.attention.backend import AttentionBackend, CudnnBackend, XlaBackend
 from dspine_jax.checkpoints import load_target, resolve_dtype
 from dspine_jax.data.shards import read_manifest
 from dspine_jax.drafters.checkpoint import save_drafter
@@ -72,6 +73,7 @@ def train(cfg: TrainConfig, *, progress: bool = True, trace_dir: Path | None = N
         raise ConfigError(f"run.batch_size {cfg.run.batch_size} must divide evenly over the "
                           f"{mesh.devices.size} devices")
     compute_dtype = resolve_dtype(cfg.run.compute_dtype)
+    target_attention = training_target_attention(cfg)  # before the target loads
 
     loaded = load_target(cfg.target.name, dtype=cfg.target.dtype)
     manifest = read_manifest(Path(cfg.data.path))
@@ -136,7 +138,8 @@ def train(cfg: TrainConfig, *, progress: bool = True, trace_dir: Path | None = N
             (out / "chain.json").write_text(json.dumps({**origin, "start_step": step}))
 
     step_fn = jax.jit(make_step(cfg, target_graph, drafter_graph, tx, losses, dc,
-                                compute_dtype, mesh), donate_argnums=(2, 3))
+                                compute_dtype, mesh, target_attention=target_attention),
+                      donate_argnums=(2, 3))
     log = MetricsLog(out / "metrics.csv", dc.block_size, lead)
     flops = flops_per_step(loaded.config, drafter, cfg.run.batch_size, cfg.data.seq_len,
                            cfg.data.blocks_per_seq)
@@ -225,11 +228,27 @@ def train(cfg: TrainConfig, *, progress: bool = True, trace_dir: Path | None = N
     return summary
 
 
+def training_target_attention(cfg: TrainConfig) -> AttentionBackend:
+    """The frozen target's attention backend for `target.attention`; an error naming the
+    problem when this platform or dtype cannot run it."""
+    if cfg.target.attention == "xla":
+        return XlaBackend()
+    backend = CudnnBackend()
+    reason = backend.check(head_dim=0, num_heads=0, num_kv_heads=0,
+                           dtype=resolve_dtype(cfg.target.dtype))
+    if reason is not None:
+        raise ConfigError(f"target.attention = 'cudnn' does not run on {reason}; "
+                          "use target.attention = 'xla'")
+    return backend
+
+
 def _resumable(cfg: TrainConfig) -> dict:
     """The config a resumed run must match: stop_after/max_seconds only say when to stop,
-    and the mesh only where the same arithmetic runs (a run may move from one GPU to two)."""
+    and the mesh and the target's attention kernel only where and how the same arithmetic
+    runs (a run may move from one GPU to two)."""
     d = cfg.to_dict()
     d["run"] = {k: v for k, v in d["run"].items() if k not in ("stop_after", "max_seconds")}
+    d["target"] = {k: v for k, v in d["target"].items() if k != "attention"}
     d.pop("mesh")
     return d
 
@@ -237,7 +256,7 @@ def _resumable(cfg: TrainConfig) -> dict:
 # What the next link of a chain may change: where it writes and when it stops; run.steps
 # too (extending a chain: the schedule is laid over the new total from the current step).
 CHAIN_FREE = {"run": ("out", "steps", "log_every", "checkpoint_every", "keep_checkpoints",
-                      "resume_from"), "drafter": ("init_from",)}
+                      "resume_from"), "drafter": ("init_from",), "target": ("attention",)}
 
 
 def _chain_key(config: dict) -> dict:

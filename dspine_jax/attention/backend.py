@@ -13,6 +13,9 @@ drafter's context grows by target features, with no attention).
   pallas  the `pallas_kernels.ragged_paged_attention` op for paged calls: reads only each
           row's first kv_len keys. Compiled on CUDA GPUs and TPUs; on other platforms it
           runs the GPU kernel in Pallas interpret mode (slow; for tests).
+  cudnn   dense causal self-attention through cuDNN's fused (flash) attention, which
+          never writes the [B, N, T, T] scores: the frozen target's forward in training
+          (`target.attention`). CUDA GPUs, bf16/f16; other calls as xla.
 
 Shape legend: B batch, T query tokens, S keys, N query heads, K kv heads, H head dim,
 P pages, PS page size.
@@ -78,6 +81,38 @@ class XlaBackend(AttentionBackend):
         out = dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype),
                                     metadata.paged_mask(s))
         return out, (k_pages, v_pages)
+
+
+class CudnnBackend(XlaBackend):
+    """Dense causal calls through `jax.nn.dot_product_attention(implementation="cudnn")`.
+
+    Only for a mask that is plain causal over the tokens' order (T queries over the same
+    T keys, positions 0..T-1 or any right-padded prefix of them), as in the training
+    target's forward; every other call goes the XLA way. `implementation` is a field so
+    the CPU tests can check this call's layout and masking through jax.nn's XLA path."""
+    name = "cudnn"
+
+    def __init__(self, implementation: str = "cudnn"):
+        self.implementation = implementation
+
+    def __call__(self, q, k, v, metadata, pages=None):
+        if metadata.is_paged or metadata.mask != "causal" or q.shape[1] != k.shape[1]:
+            return super().__call__(q, k, v, metadata, pages)
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                           implementation=self.implementation)
+        return out.astype(q.dtype), None
+
+    def check(self, *, head_dim, num_heads, num_kv_heads, dtype, page_size=16):
+        if self.implementation != "cudnn":
+            return None
+        if jax.default_backend() != "gpu":
+            return f"the {jax.default_backend()} platform (it needs a CUDA GPU)"
+        if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+            return f"{jnp.dtype(dtype).name} (it runs bf16 or f16)"
+        return None
+
+    def __repr__(self) -> str:
+        return f"CudnnBackend(implementation={self.implementation!r})"
 
 
 # The kernel's two masks: a DSpine block is causal after its prefix like the target.
