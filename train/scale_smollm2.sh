@@ -9,7 +9,7 @@
 #
 # Environment knobs (defaults = the planned run):
 #   RUNS=runs  DATA=$RUNS/data/sharegpt-all  PROMPTS= (all)  TEMPERATURES=0,0.7,1  SAMPLES=1
-#   MAX_NEW=1024  MAX_PROMPT=512  REGEN_BATCH=256 (rows or slots)  SHARD=1024
+#   MAX_NEW=1024  MAX_PROMPT=512  REGEN_BATCH=512 (rows or slots)  SHARD=1024
 #   ENGINE=slots (continuous batching) or batch (static batches)  NUM_PAGES= (slots: the
 #   shared KV page pool; default every slot at MAX_PROMPT + MAX_NEW, never preempted)
 #   KINDS="dflash dspine-ce-no-alignment"  STEPS=15000 (the whole chain)  LINK=2000 (steps
@@ -27,7 +27,7 @@ TEMPERATURES=${TEMPERATURES:-0,0.7,1}
 SAMPLES=${SAMPLES:-1}
 MAX_NEW=${MAX_NEW:-1024}
 MAX_PROMPT=${MAX_PROMPT:-512}
-REGEN_BATCH=${REGEN_BATCH:-256}
+REGEN_BATCH=${REGEN_BATCH:-512}
 SHARD=${SHARD:-1024}
 ENGINE=${ENGINE:-slots}
 KINDS=${KINDS:-"dflash dspine-ce-no-alignment"}
