@@ -17,6 +17,10 @@ tokens.
 Timing: each (side, method, batch) first decodes one batch to compile / autotune, then
 all prompts in batches; tokens/s = all new tokens / decode seconds (JAX: the engine's own
 wall time, compilation excluded; PyTorch: wall time with the device synchronised).
+JAX rows also split the engine's time: prefill_seconds (until the prefill's first tokens
+are read), batch_passes (per batch, the most passes any of its rows took: a batch decodes
+until then), pass_ms = decode seconds / batch_passes (comparable with `spec_step`'s pass
+time) and row_pass_share = the rows' own passes / the passes their batches ran.
 PyTorch AR is `model.generate` (greedy, dynamic cache) over left-padded batches.
 
 At T = 0 the report also gives the share of rows whose tokens are identical on both sides
@@ -111,13 +115,13 @@ def main():
             "temperature": args.temperature}
     rows, outputs = [], {}
 
-    def record(side, method, batch, impl, gens_tokens, accept_lengths, seconds):
+    def record(side, method, batch, impl, gens_tokens, accept_lengths, seconds, **extra):
         tokens = sum(len(t) for t in gens_tokens)
         passes = sum(len(a) for a in accept_lengths)
         row = {"side": side, "method": method, "batch": batch, "implementation": impl,
                "tokens": tokens, "seconds": round(seconds, 4),
                "tokens_per_s": round(tokens / seconds, 1),
-               "tau": round(tokens / passes, 3) if passes else None}
+               "tau": round(tokens / passes, 3) if passes else None, **extra}
         outputs[(side, method, batch, impl)] = gens_tokens
         jax_rows = outputs.get(("jax", method, batch, "engine"))
         if side == "torch" and jax_rows is not None and args.temperature == 0:
@@ -141,14 +145,23 @@ def main():
             # JAX engine: compile on the first batch, then time every batch.
             kw = {"max_new_tokens": new, "temperature": args.temperature, "ignore_eos": True}
             pipe.decoder.generate(groups[0], **kw)
-            toks, accepts, seconds = [], [], 0.0
+            toks, accepts, seconds, prefill, batch_passes, slots = [], [], 0.0, 0.0, 0, 0
             for i, group in enumerate(groups):
                 res = pipe.decoder.generate(group, seed=i * b, **kw)
                 seconds += res.seconds
+                prefill += res.prefill_seconds
                 toks += [list(g.tokens) for g in res.generations]
                 accepts += [list(g.accept_lengths) if drafter else [1] * len(g.tokens)
                             for g in res.generations]
-            record("jax", method, b, "engine", toks, accepts, seconds)
+                # a batch decodes until its row with the most passes is done
+                most = max(len(accepts[-1 - r]) for r in range(len(group)))
+                batch_passes += most
+                slots += most * len(group)
+            row_passes = sum(len(a) for a in accepts)
+            record("jax", method, b, "engine", toks, accepts, seconds,
+                   prefill_seconds=round(prefill, 4), batch_passes=batch_passes,
+                   pass_ms=round(1e3 * (seconds - prefill) / batch_passes, 3),
+                   row_pass_share=round(row_passes / slots, 3))
             for impl in (args.torch_implementation if drafter else ["generate"]):
                 toks, accepts, seconds = [], [], 0.0
                 for i, group in enumerate([groups[0]] + groups):    # the first: warm-up

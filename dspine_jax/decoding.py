@@ -108,6 +108,7 @@ class BatchResult:
     generations: list[Generation]
     seconds: float             # prefill + decode wall time, compilation excluded
     compile_seconds: float
+    prefill_seconds: float = 0.0  # of `seconds`: until the prefill's first tokens are read
 
 
 def request_keys(seeds: jax.Array, rows: jax.Array) -> jax.Array:
@@ -372,9 +373,11 @@ class BatchDecoder:
         b = len(prompts)
         t0 = time.perf_counter()
         state = run.prefill()
-        emitted = [0] * b
+        emitted, prefill_seconds = [0] * b, None
         while True:
             num, done, output = jax.device_get((state.num_generated, state.done, state.output))
+            if prefill_seconds is None:
+                prefill_seconds = time.perf_counter() - t0
             for row in range(b):
                 if num[row] > emitted[row]:
                     yield row, output[row, emitted[row]:num[row]].tolist()
@@ -394,4 +397,5 @@ class BatchDecoder:
                                           finish_reason=reason,
                                           accept_lengths=lengths[row, :passes[row]].tolist()))
         return BatchResult(generations=generations, seconds=seconds,
-                           compile_seconds=run.compile_seconds)
+                           compile_seconds=run.compile_seconds,
+                           prefill_seconds=prefill_seconds)

@@ -68,6 +68,13 @@ def test_greedy_equals_autoregressive(kind, batch):
             assert sum(g.accept_lengths) == len(g.tokens) - 1  # prefill emits the first
 
 
+def test_batch_result_splits_prefill_from_decode_time():
+    target, drafter = build(kind="dspine")
+    engine = SpeculativeEngine(target, drafter, eos_token_ids=[0], steps_per_call=3)
+    result = engine.generate(PROMPTS[:2], max_new_tokens=24, ignore_eos=True)
+    assert 0 < result.prefill_seconds < result.seconds
+
+
 class OracleEngine(SpeculativeEngine):
     """Drafts the true greedy continuation, corrupted at slot `wrong` (if any): exercises
     acceptance, rollback and context growth with real, ragged acceptance lengths."""
