@@ -8,8 +8,9 @@ For each method it prefills random prompts, runs the compiled decode loop once t
 then traces `--calls` host calls (`--steps-per-call` passes each) and reads the Perfetto
 trace JAX writes: device kernels on a GPU, XLA's per-op events on a CPU. Operations are
 grouped by name (fusions keep XLA's names, kernels their own), summed, divided by the
-number of passes, and listed with their share of the traced device time. The trace
-folder stays in `--trace-dir` for Perfetto or TensorBoard.
+number of passes, and listed with their share of the traced device time and the JAX
+operation each runs (from the optimised HLO XLA dumps into `--trace-dir`/hlo,
+`hlo_names`). The trace folder stays in `--trace-dir` for Perfetto or TensorBoard.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from dspine_benchmarks import hlo_names
 from dspine_benchmarks.decode_step import load_jax_target, pool_pages, with_context
 from dspine_benchmarks.spec_step import add_step_args, make_decoder
 
@@ -51,13 +53,19 @@ def device_events(trace: dict) -> list[dict]:
             or "long_name" in e.get("args", {})]
 
 
-def summarise(events: list[dict], passes: int, top: int) -> dict:
+def summarise(events: list[dict], passes: int, top: int,
+              op_names: dict[str, str] | None = None) -> dict:
+    """Device time per pass, and the `top` operations; op_names (`hlo_names`) adds the
+    JAX operation each kernel runs, where the HLO names it."""
     per_op = collections.Counter()
     for e in events:
         per_op[e["name"]] += e["dur"]  # microseconds
     total = sum(per_op.values())
     rows = [{"op": name, "us_per_pass": us / passes, "share": us / max(total, 1e-9)}
             for name, us in per_op.most_common(top)]
+    for row in rows:
+        if op_names and row["op"] in op_names:
+            row["op_name"] = op_names[row["op"]]
     return {"device_us_per_pass": total / passes, "top": rows}
 
 
@@ -69,6 +77,8 @@ def profile(method: str, model, config, args, trace_dir: Path) -> dict:
                            args.page_size)
     decoder, _ = make_decoder(method, model, config, args, args.attention_backend, num_pages,
                               proposal=args.proposal)
+    hlo = trace_dir / "hlo"
+    earlier = hlo_names.dumped_modules(hlo, "decode")
     prompts = np.random.default_rng(0).integers(0, config.vocab_size,
                                                 size=(args.batch, args.prompt_len)).tolist()
     run = decoder.prepare(prompts, max_new_tokens=new_tokens, ignore_eos=True)
@@ -82,7 +92,8 @@ def profile(method: str, model, config, args, trace_dir: Path) -> dict:
     [path] = sorted(folder.rglob("*.trace.json.gz"))[-1:]
     with gzip.open(path) as f:
         trace = json.load(f)
-    summary = summarise(device_events(trace), passes, args.top)
+    names = hlo_names.module_op_names(hlo, hlo_names.dumped_modules(hlo, "decode") - earlier)
+    summary = summarise(device_events(trace), passes, args.top, names)
     return {"method": method, "attention_backend": decoder.attention.name, "batch": args.batch,
             "context": context, "passes": passes, "trace": str(path), **summary}
 
@@ -91,17 +102,19 @@ def main(argv=None):
     args = parse_args(argv)
     context = args.context or args.prompt_len
     positions = context + 4 * (args.calls + 2) * args.steps_per_call + args.block_size
-    model, config, _ = load_jax_target(args.target, args.dtype, positions)
     trace_dir = Path(args.trace_dir or tempfile.mkdtemp(prefix="dspine-profile-"))
+    hlo_names.dump_hlo_to(trace_dir / "hlo", "decode")  # before anything compiles
+    model, config, _ = load_jax_target(args.target, args.dtype, positions)
     results = []
     for method in args.methods:
         result = profile(method, model, config, args, trace_dir)
         results.append(result)
         print(f"\n{method} ({result['attention_backend']}, batch {args.batch}, context "
               f"{context}): {result['device_us_per_pass']:.0f} us of device time per pass")
-        print(f"{'us/pass':>9} {'share':>6}  op")
+        print(f"{'us/pass':>9} {'share':>6}  {'op':<48}  JAX operation")
         for row in result["top"]:
-            print(f"{row['us_per_pass']:9.1f} {row['share']:6.1%}  {row['op'][:100]}")
+            print(f"{row['us_per_pass']:9.1f} {row['share']:6.1%}  {row['op'][:48]:<48}  "
+                  f"{row.get('op_name', '')[-90:]}")
     if args.out:
         Path(args.out).write_text(json.dumps({"target": args.target, "device": str(
             jax.devices()[0]), "results": results}, indent=2))

@@ -9,8 +9,8 @@ drafter forward + backward, vocabulary products) against the 989 TFLOP/s bf16 pe
 
 --profile N traces ten steps after the compiling one with jax.profiler and lists the N
 operations with the most device time per step (profile_step's summary), with the time
-in matmul kernels, XLA's TopK and everything else. The profiled run's tokens/s includes
-the tracing.
+in matmul kernels, XLA's TopK and everything else, and the JAX operation each kernel
+runs (`hlo_names`). The profiled run's tokens/s includes the tracing.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dspine_benchmarks import hlo_names
 from dspine_jax.data.shards import Sequence, write_manifest, write_shard
 from dspine_train.config import from_dict
 from dspine_train.trainer import train
@@ -46,7 +47,7 @@ def kernel_kind(name: str) -> str:
     return "topk" if "topk" in low or "top_k" in low else "other"
 
 
-def traced(folder: Path, steps: int, top: int) -> dict:
+def traced(folder: Path, steps: int, top: int, op_names: dict[str, str]) -> dict:
     """Device time per step of a trace the trainer wrote, by kind and by operation."""
     import gzip
     from collections import Counter
@@ -59,7 +60,7 @@ def traced(folder: Path, steps: int, top: int) -> dict:
     kinds = Counter()
     for e in events:
         kinds[kernel_kind(e["name"])] += e["dur"] / steps
-    return {**summarise(events, steps, top), "by_kind_us": dict(kinds)}
+    return {**summarise(events, steps, top, op_names), "by_kind_us": dict(kinds)}
 
 
 def main(argv=None):
@@ -77,6 +78,9 @@ def main(argv=None):
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="trace the run and list the N costliest operations per step")
     args = p.parse_args(argv)
+    hlo = Path(tempfile.mkdtemp(prefix="dspine-train-hlo-"))
+    if args.profile:  # before anything compiles: the kernels' JAX operations
+        hlo_names.dump_hlo_to(hlo, "step")
     from dspine_jax.checkpoints import load_target
 
     vocab = load_target(args.target, dtype="f32", with_tokenizer=False).config.vocab_size
@@ -97,7 +101,8 @@ def main(argv=None):
         trace = Path(tmp) / "trace" if args.profile else None
         train(cfg, progress=False, trace_dir=trace, trace_steps=traced_steps)
         if args.profile:
-            profile = traced(trace, traced_steps, args.profile)
+            names = hlo_names.module_op_names(hlo, hlo_names.dumped_modules(hlo, "jit_step"))
+            profile = traced(trace, traced_steps, args.profile, names)
         with open(Path(tmp) / "run" / "metrics.csv") as f:
             rows = list(csv.DictReader(f))
     last = rows[-1]
@@ -112,7 +117,8 @@ def main(argv=None):
         print(f"device time per step {profile['device_us_per_pass'] / 1e3:.1f} ms: "
               + ", ".join(f"{k} {v / 1e3:.1f}" for k, v in profile["by_kind_us"].items()))
         for row in profile["top"]:
-            print(f"{row['us_per_pass']:9.1f} us {row['share']:6.1%}  {row['op'][:100]}")
+            print(f"{row['us_per_pass']:9.1f} us {row['share']:6.1%}  {row['op'][:48]:<48}  "
+                  f"{row.get('op_name', '')[-90:]}")
     print(json.dumps(result))
     if args.out:
         with open(args.out, "a") as f:
