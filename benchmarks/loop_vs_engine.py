@@ -26,7 +26,7 @@ PyTorch AR is `model.generate` (greedy, dynamic cache) over left-padded batches.
 At T = 0 the report also gives the share of rows whose tokens are identical on both sides
 and their mean common prefix: in bf16, near-ties flip argmaxes differently on the two
 sides, so this is an agreement rate, not an exactness check (exactness is checked by
-`dspine parity` in float32).
+`dspine parity` in float32). --skip-torch times the JAX engine alone.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 
-def parse():
+def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=None, help="target (default: the built-in one)")
     ap.add_argument("--drafter", action="append", default=[], help="repeatable")
@@ -53,8 +53,10 @@ def parse():
     ap.add_argument("--torch-implementation", nargs="+", default=["triton"],
                     choices=["triton", "torch"], help="kernels of the PyTorch loop")
     ap.add_argument("--skip-ar", action="store_true")
+    ap.add_argument("--skip-torch", action="store_true",
+                    help="time the JAX engine only (no transformers target is built)")
     ap.add_argument("--out", default=None, help="JSON, rewritten after every row")
-    return ap.parse_args()
+    return ap.parse_args(argv)
 
 
 def read_prompts(path: str, n: int):
@@ -82,8 +84,8 @@ def common_prefix(a, b) -> int:
     return n
 
 
-def main():
-    args = parse()
+def main(argv=None):
+    args = parse(argv)
     sys.stdout.reconfigure(line_buffering=True)
     import jax
     import torch
@@ -102,10 +104,12 @@ def main():
     loaded = load_target(args.target or DEFAULT_TARGET, dtype=args.dtype)
     encode = Pipeline.from_loaded(loaded).encode
     prompts = [encode(p) for p in texts]
-    folder = Path(tempfile.mkdtemp(prefix="loop_vs_engine_"))
-    save_target(loaded.model, folder)
-    hf_target = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, dtype=tdtype).eval().to(device)
+    hf_target = None
+    if not args.skip_torch:
+        folder = Path(tempfile.mkdtemp(prefix="loop_vs_engine_"))
+        save_target(loaded.model, folder)
+        hf_target = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, dtype=tdtype).eval().to(device)
     new = args.max_new_tokens
     meta = {"date": datetime.date.today().isoformat(), "jax": jax.__version__,
             "jax_device": str(jax.devices()[0].device_kind), "torch": torch.__version__,
@@ -139,13 +143,14 @@ def main():
     for method, drafter in methods:
         pipe = Pipeline.from_loaded(loaded, drafter, method=None if drafter else "ar")
         torch_drafter = (dspine_torch.load_drafter(resolve_drafter(drafter), dtype=tdtype)
-                         .to(device) if drafter else None)
+                         .to(device) if drafter and hf_target is not None else None)
         for b in args.batch:
             groups = batches(prompts, b)
             # JAX engine: compile on the first batch, then time every batch.
             kw = {"max_new_tokens": new, "temperature": args.temperature, "ignore_eos": True}
             pipe.decoder.generate(groups[0], **kw)
-            toks, accepts, seconds, prefill, batch_passes, slots = [], [], 0.0, 0.0, 0, 0
+            toks, accepts, seconds, prefill = [], [], 0.0, 0.0
+            batch_passes = slots = row_passes = 0
             for i, group in enumerate(groups):
                 res = pipe.decoder.generate(group, seed=i * b, **kw)
                 seconds += res.seconds
@@ -153,15 +158,19 @@ def main():
                 toks += [list(g.tokens) for g in res.generations]
                 accepts += [list(g.accept_lengths) if drafter else [1] * len(g.tokens)
                             for g in res.generations]
-                # a batch decodes until its row with the most passes is done
-                most = max(len(accepts[-1 - r]) for r in range(len(group)))
-                batch_passes += most
-                slots += most * len(group)
-            row_passes = sum(len(a) for a in accepts)
+                # decode passes per row (the prefill emits the first token), and a batch
+                # decodes until its row with the most passes is done
+                passes = [len(g.accept_lengths) if drafter else len(g.tokens) - 1
+                          for g in res.generations]
+                batch_passes += max(passes)
+                slots += max(passes) * len(group)
+                row_passes += sum(passes)
             record("jax", method, b, "engine", toks, accepts, seconds,
                    prefill_seconds=round(prefill, 4), batch_passes=batch_passes,
                    pass_ms=round(1e3 * (seconds - prefill) / batch_passes, 3),
                    row_pass_share=round(row_passes / slots, 3))
+            if hf_target is None:
+                continue
             for impl in (args.torch_implementation if drafter else ["generate"]):
                 toks, accepts, seconds = [], [], 0.0
                 for i, group in enumerate([groups[0]] + groups):    # the first: warm-up
