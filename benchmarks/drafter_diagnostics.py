@@ -162,6 +162,16 @@ def plot(reports: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def add_heldout_args(parser) -> None:
+    """The target, and which held-out prompts it continues (`heldout_prompts`,
+    `continuations`): the options every diagnostics script shares."""
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-prompt-tokens", type=int, default=512,
+                        help="use the first held-out prompts at most this long")
+
+
 def heldout_prompts(ar: Pipeline, n: int, max_prompt_tokens: int) -> list[Prompt]:
     """The first n held-out ShareGPT prompts (chat template) of at most max_prompt_tokens."""
     held_out = (Prompt(p["prompt"], True) for p in sharegpt_prompts("heldout"))
@@ -179,12 +189,8 @@ def continuations(ar: Pipeline, prompts, max_new_tokens: int, temperature: float
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="smollm2-135m-instruct")
+    add_heldout_args(parser)
     parser.add_argument("--drafter", action="append", required=True)
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--max-prompt-tokens", type=int, default=512,
-                        help="use the first held-out prompts at most this long")
     parser.add_argument("--stride", type=int, default=4, help="anchor every N tokens")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--out", type=Path, required=True)

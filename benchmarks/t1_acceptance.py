@@ -40,8 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspine_benchmarks.drafter_diagnostics import (accepted, chain_tokens, continuations,
-                                                   heldout_prompts)
+from dspine_benchmarks.drafter_diagnostics import (accepted, add_heldout_args, chain_tokens,
+                                                   continuations, heldout_prompts)
 from dspine_jax.api import Pipeline
 from dspine_jax.checkpoints import load_target
 from dspine_jax.drafters.checkpoint import load_drafter
@@ -269,12 +269,9 @@ def table(report: dict) -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="smollm2-135m-instruct")
+    add_heldout_args(parser)
     parser.add_argument("--dflash", default="smollm2-135m-instruct-dflash")
     parser.add_argument("--dspine", default="smollm2-135m-instruct-dspine")
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--max-prompt-tokens", type=int, default=512)
     parser.add_argument("--stride", type=int, default=8, help="anchor every N tokens")
     parser.add_argument("--seed", type=int, default=0, help="of the T=1 continuations")
     parser.add_argument("--dtype", default="auto")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dspine_benchmarks.drafter_diagnostics import heldout_prompts
+from dspine_benchmarks.drafter_diagnostics import add_heldout_args, heldout_prompts
 from dspine_jax.api import Pipeline
 from dspine_jax.checkpoints import load_target
 from dspine_jax.registry import resolve_drafter
@@ -58,12 +58,9 @@ def accept_stats(results) -> dict:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="smollm2-135m-instruct")
+    add_heldout_args(parser)
     parser.add_argument("--dflash", default="smollm2-135m-instruct-dflash")
     parser.add_argument("--dspine", default="smollm2-135m-instruct-dspine")
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--max-prompt-tokens", type=int, default=512)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=16)
