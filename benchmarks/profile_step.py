@@ -69,6 +69,14 @@ def summarise(events: list[dict], passes: int, top: int,
     return {"device_us_per_pass": total / passes, "top": rows}
 
 
+def top_table(rows: list[dict]) -> str:
+    """`summarise`'s top operations, one line each, with the JAX operation where known."""
+    lines = [f"{'us/pass':>9} {'share':>6}  {'op':<48}  JAX operation"]
+    lines += [f"{row['us_per_pass']:9.1f} {row['share']:6.1%}  {row['op'][:48]:<48}  "
+              f"{row.get('op_name', '')[-90:]}" for row in rows]
+    return "\n".join(lines)
+
+
 def profile(method: str, model, config, args, trace_dir: Path) -> dict:
     context = args.context or args.prompt_len
     passes = args.calls * args.steps_per_call
@@ -111,10 +119,7 @@ def main(argv=None):
         results.append(result)
         print(f"\n{method} ({result['attention_backend']}, batch {args.batch}, context "
               f"{context}): {result['device_us_per_pass']:.0f} us of device time per pass")
-        print(f"{'us/pass':>9} {'share':>6}  {'op':<48}  JAX operation")
-        for row in result["top"]:
-            print(f"{row['us_per_pass']:9.1f} {row['share']:6.1%}  {row['op'][:48]:<48}  "
-                  f"{row.get('op_name', '')[-90:]}")
+        print(top_table(result["top"]))
     if args.out:
         Path(args.out).write_text(json.dumps({"target": args.target, "device": str(
             jax.devices()[0]), "results": results}, indent=2))

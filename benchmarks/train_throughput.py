@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from dspine_benchmarks import hlo_names
+from dspine_benchmarks.profile_step import device_events, summarise, top_table
 from dspine_jax.data.shards import Sequence, write_manifest, write_shard
 from dspine_train.config import from_dict
 from dspine_train.trainer import train
@@ -52,8 +53,6 @@ def traced(folder: Path, steps: int, top: int, op_names: dict[str, str]) -> dict
     import gzip
     from collections import Counter
 
-    from dspine_benchmarks.profile_step import device_events, summarise
-
     [path] = sorted(folder.rglob("*.trace.json.gz"))[-1:]
     with gzip.open(path) as f:
         events = device_events(json.load(f))
@@ -78,13 +77,12 @@ def main(argv=None):
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="trace the run and list the N costliest operations per step")
     args = p.parse_args(argv)
-    hlo = Path(tempfile.mkdtemp(prefix="dspine-train-hlo-"))
-    if args.profile:  # before anything compiles: the kernels' JAX operations
-        hlo_names.dump_hlo_to(hlo, "step")
-    from dspine_jax.checkpoints import load_target
-
-    vocab = load_target(args.target, dtype="f32", with_tokenizer=False).config.vocab_size
     with tempfile.TemporaryDirectory() as tmp:
+        if args.profile:  # before anything compiles: the kernels' JAX operations
+            hlo_names.dump_hlo_to(Path(tmp) / "hlo", "step")
+        from dspine_jax.checkpoints import load_target
+
+        vocab = load_target(args.target, dtype="f32", with_tokenizer=False).config.vocab_size
         data = Path(tmp) / "data"
         data.mkdir()
         synthetic_dataset(data, vocab, 4 * args.batch, args.seq_len, args.seq_len // 4)
@@ -101,6 +99,7 @@ def main(argv=None):
         trace = Path(tmp) / "trace" if args.profile else None
         train(cfg, progress=False, trace_dir=trace, trace_steps=traced_steps)
         if args.profile:
+            hlo = Path(tmp) / "hlo"
             names = hlo_names.module_op_names(hlo, hlo_names.dumped_modules(hlo, "jit_step"))
             profile = traced(trace, traced_steps, args.profile, names)
         with open(Path(tmp) / "run" / "metrics.csv") as f:
@@ -116,9 +115,7 @@ def main(argv=None):
         result["profile"] = profile
         print(f"device time per step {profile['device_us_per_pass'] / 1e3:.1f} ms: "
               + ", ".join(f"{k} {v / 1e3:.1f}" for k, v in profile["by_kind_us"].items()))
-        for row in profile["top"]:
-            print(f"{row['us_per_pass']:9.1f} us {row['share']:6.1%}  {row['op'][:48]:<48}  "
-                  f"{row.get('op_name', '')[-90:]}")
+        print(top_table(profile["top"]))
     print(json.dumps(result))
     if args.out:
         with open(args.out, "a") as f:
