@@ -3,8 +3,9 @@ C x C transition table and the chain walk, with no vocabulary-sized tensor per s
 
 `vocab_top_k(hidden, weight, k)`: the k largest logits hidden @ weight^T per row and their
 ids, computed tile by tile over the vocabulary with a running top-k, so the [R, V] logits
-are never written out. Implementations: "xla" (reference.py: the full logits and
-lax.top_k; what the CPU runs), "pallas_tpu" (tpu.py, Mosaic TPU), "pallas_gpu" (gpu.py,
+are never written out. Implementations: "xla" (the full logits, then `top_k.top_k`:
+two stages over the vocabulary on a GPU, lax.top_k elsewhere; what the CPU runs; the
+reference is reference.py), "pallas_tpu" (tpu.py, Mosaic TPU), "pallas_gpu" (gpu.py,
 Pallas Triton lowering, split over the vocabulary); "auto" picks pallas_gpu on CUDA,
 pallas_tpu on TPU and xla elsewhere.
 
@@ -23,11 +24,20 @@ import jax.numpy as jnp
 
 from .common import IMPLEMENTATIONS, check_inputs
 from ..platform import backend_implementation
+from ..top_k import top_k
 from .reference import (TransitionWeights, transition_table, vocab_top_k_reference,
                         walk_chain, warp_small)
 
 __all__ = ["vocab_top_k", "vocab_top_k_reference", "dspine_proposal", "TransitionWeights",
            "transition_table", "walk_chain", "warp_small", "IMPLEMENTATIONS"]
+
+
+def vocab_top_k_xla(hidden, weight, k: int):
+    """The reference's full logits, then `top_k.top_k` (two stages over the vocabulary on a
+    GPU: XLA's one-pass TopK gives each row one thread block)."""
+    logits = jnp.einsum("RD,VD->RV", hidden, weight.astype(hidden.dtype),
+                        preferred_element_type=jnp.float32)
+    return top_k(logits, k)
 
 
 @functools.partial(jax.jit, static_argnames=("k", "implementation", "interpret"))
@@ -38,7 +48,8 @@ def vocab_top_k(hidden, weight, k: int, *, implementation="auto", interpret=Fals
       hidden: [R, D] bf16/f32 (the drafter's final hidden states, one row per slot).
       weight: [V, D] the lm_head (cast to hidden's dtype; products accumulate in f32).
       k: static, 1 <= k <= V.
-      implementation: "auto" | "xla" | "pallas_tpu" | "pallas_gpu".
+      implementation: "auto" | "xla" | "pallas_tpu" | "pallas_gpu" ("xla": the full
+        logits, then `vocab_top_k_xla`).
       interpret: run a Pallas implementation in interpret mode (CPU tests).
 
     Returns:
@@ -49,7 +60,7 @@ def vocab_top_k(hidden, weight, k: int, *, implementation="auto", interpret=Fals
     if implementation == "auto":
         implementation = backend_implementation()
     if implementation == "xla":
-        return vocab_top_k_reference(hidden, weight, k)
+        return vocab_top_k_xla(hidden, weight, k)
     if implementation == "pallas_tpu":
         from .tpu import vocab_top_k_tpu
         return vocab_top_k_tpu(hidden, weight, k, interpret=interpret)

@@ -1,0 +1,75 @@
+"""pallas_kernels.top_k: the two-stage top-k of long rows equals a stable float64 sort
+(values and indices, ties to the lower index), and `top_k` takes that path where rows are
+split (forced here on the CPU)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import top_k as long_rows
+from dspine_jax.sampling import first_argmax, top_k_indices
+
+
+def stable_top_k(x, k):
+    order = np.argsort(-np.asarray(x, np.float64), axis=-1, kind="stable")[..., :k]
+    return np.take_along_axis(np.asarray(x, np.float64), order, -1), order
+
+
+# (rows, V, k, chunk): V a chunk multiple or not, k up to the chunk, one chunk
+CASES = [(3, 1000, 16, 64), (5, 4096, 1, 256), (2, 300, 64, 64), (4, 50, 7, 64)]
+
+
+@pytest.mark.parametrize("rows,v,k,chunk", CASES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int32"])
+def test_two_stage_equals_stable_sort_with_ties(rows, v, k, chunk, dtype):
+    """Values from {-3..3}: ties everywhere, so the indices pin down the tie order."""
+    x = np.random.default_rng(v + k).integers(-3, 4, size=(rows, v))
+    values, ids = long_rows.two_stage_top_k(jnp.asarray(x, dtype), k, chunk)
+    want_v, want_i = stable_top_k(x, k)
+    assert ids.dtype == jnp.int32 and values.dtype == jnp.dtype(dtype)
+    np.testing.assert_array_equal(np.asarray(values, np.float64), want_v)
+    np.testing.assert_array_equal(ids, want_i)
+
+
+def test_two_stage_keeps_real_minus_inf_before_the_padding():
+    """A row with fewer finite entries than k: its -inf entries (lowest indices first)
+    fill the rest, never the padding past V."""
+    x = np.full((2, 130), -np.inf, np.float32)
+    x[0, [5, 77]] = [1.0, 2.0]
+    values, ids = long_rows.two_stage_top_k(jnp.asarray(x), 4, 64)
+    np.testing.assert_array_equal(ids, [[77, 5, 0, 1], [0, 1, 2, 3]])
+    assert np.asarray(ids).max() < 130
+
+
+def test_two_stage_random_rows_match_lax_order():
+    x = np.random.default_rng(1).standard_normal((6, 5000)).astype(np.float32)
+    values, ids = long_rows.two_stage_top_k(jnp.asarray(x), 16, 512)
+    want_v, want_i = stable_top_k(x, 16)
+    np.testing.assert_array_equal(ids, want_i)
+    np.testing.assert_array_equal(np.asarray(values, np.float64), want_v)
+
+
+def test_k_above_the_chunk_is_refused():
+    with pytest.raises(ValueError, match="k <= chunk"):
+        long_rows.two_stage_top_k(jnp.zeros((1, 100)), 65, 64)
+
+
+def test_split_path_through_top_k_and_its_callers(monkeypatch):
+    """With the split forced (as on a GPU) top_k, top_k_indices and first_argmax keep
+    lax.top_k's results on rank-3 input with ties; with DSPINE_TOP_K_SPLIT=0 it is off."""
+    x = np.random.default_rng(2).integers(-2, 3, size=(2, 3, 4 * long_rows.CHUNK + 5))
+    want_v, want_i = stable_top_k(x, 8)
+    monkeypatch.setattr(long_rows, "splits_rows", lambda: True)
+    values, ids = long_rows.top_k(jnp.asarray(x, jnp.float32), 8)
+    assert ids.shape == (2, 3, 8)
+    np.testing.assert_array_equal(ids, want_i)
+    np.testing.assert_array_equal(np.asarray(values, np.float64), want_v)
+    np.testing.assert_array_equal(top_k_indices(jnp.asarray(x, jnp.float32), 8), want_i)
+    np.testing.assert_array_equal(first_argmax(jnp.asarray(x, jnp.float32)),
+                                  np.argmax(x, -1))
+    monkeypatch.undo()
+    monkeypatch.setenv("DSPINE_TOP_K_SPLIT", "0")
+    monkeypatch.setattr(long_rows.jax, "default_backend", lambda: "gpu")
+    assert not long_rows.splits_rows()
