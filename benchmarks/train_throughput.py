@@ -41,11 +41,16 @@ def synthetic_dataset(folder: Path, vocab: int, num: int, seq_len: int, prompt: 
          "response_tokens": num * (seq_len - prompt)}], "skipped_long_prompts": 0})
 
 
-def kernel_kind(name: str) -> str:
-    low = name.lower()
-    if any(w in low for w in ("gemm", "cublas", "cutlass", "xmma", "dot", "matmul")):
+def kernel_kind(name: str, op: str = "") -> str:
+    """matmul, topk or other, from a kernel's name and the JAX operation it runs (cuBLAS's
+    Hopper kernels are "nvjet_*"; XLA's TopK kernel is "stream_executor::cuda::Run<k, ...>")."""
+    low, op = name.lower(), op.lower()
+    xla_top_k = low.startswith("void stream_executor::") and "::run<" in low
+    if "top_k" in op or "topk" in low or "top_k" in low or xla_top_k:
+        return "topk"
+    if any(w in low for w in ("gemm", "cublas", "cutlass", "xmma", "dot", "matmul", "nvjet")):
         return "matmul"
-    return "topk" if "topk" in low or "top_k" in low else "other"
+    return "other"
 
 
 def traced(folder: Path, steps: int, top: int, op_names: dict[str, str]) -> dict:
@@ -58,7 +63,7 @@ def traced(folder: Path, steps: int, top: int, op_names: dict[str, str]) -> dict
         events = device_events(json.load(f))
     kinds = Counter()
     for e in events:
-        kinds[kernel_kind(e["name"])] += e["dur"] / steps
+        kinds[kernel_kind(e["name"], op_names.get(e["name"], ""))] += e["dur"] / steps
     return {**summarise(events, steps, top, op_names), "by_kind_us": dict(kinds)}
 
 
@@ -71,7 +76,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--blocks", type=int, default=32)
-    p.add_argument("--target-attention", default="xla", choices=("xla", "cudnn"),
+    p.add_argument("--target-attention", default="auto", choices=("auto", "xla", "cudnn"),
                    help="the frozen target's attention (target.attention)")
     p.add_argument("--out", default=None)
     p.add_argument("--profile", type=int, default=0, metavar="N",

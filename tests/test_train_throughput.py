@@ -52,3 +52,14 @@ metadata={op_name="jit(step)/BnKD,VD->BnKV/dot_general" stack_frame_id=3}
     assert names["gemm_fusion_dot.877"] == names["gemm_fusion_dot_877"] == want
     assert names["exp_1"] == "jit(step)/exp"
     assert "input_reduce_fusion_55" not in names  # no metadata: nothing to say
+
+
+def test_kernel_kinds_name_cublas_hopper_and_xla_top_k_kernels():
+    from dspine_benchmarks.train_throughput import kernel_kind
+
+    assert kernel_kind("nvjet_sm90_tss_128x128_64x6_2x1_v_bz_NNT") == "matmul"
+    assert kernel_kind("gemm_fusion_dot_862") == "matmul"
+    assert kernel_kind("void stream_executor::cuda::Run<16ul, float, unsigned int>"
+                       "(float*, int, float*, unsigned int*, int)") == "topk"
+    assert kernel_kind("loop_reduce_fusion", "jit(step)/top_k") == "topk"
+    assert kernel_kind("loop_transpose_fusion_40", "jit(step)/convert_element_type") == "other"

@@ -473,12 +473,29 @@ def test_cudnn_target_attention_computes_the_reference_attention():
 def test_target_attention_option_is_checked_before_the_target_loads(tmp_path):
     from dspine_train.trainer import train
 
-    with pytest.raises(ConfigError, match="target.attention must be 'xla' or 'cudnn'"):
+    with pytest.raises(ConfigError, match=r"target.attention must be one of \('auto', 'xla', "
+                                          r"'cudnn'\), got 'flash'"):
         load_config_text(tmp_path, {"attention": "flash"})
     cfg = load_config_text(tmp_path, {"attention": "cudnn", "dtype": "bf16",
                                       "name": str(tmp_path / "no-such-target")})
     with pytest.raises(ConfigError, match="does not run on the cpu platform"):
         train(cfg, progress=False)
+
+
+def test_auto_target_attention_is_cudnn_only_where_it_runs(tmp_path):
+    """"auto" (the default) picks cuDNN on a CUDA GPU in bf16 and XLA otherwise (the CPU,
+    or float32 anywhere), without an error."""
+    import jax
+
+    from dspine_jax.attention.backend import CudnnBackend, XlaBackend
+    from dspine_train.trainer import training_target_attention
+
+    assert load_config_text(tmp_path, {}).target.attention == "auto"
+    on_gpu = jax.default_backend() == "gpu"
+    bf16 = training_target_attention(load_config_text(tmp_path, {"dtype": "bf16"}))
+    assert isinstance(bf16, CudnnBackend) == on_gpu and isinstance(bf16, XlaBackend)
+    f32 = training_target_attention(load_config_text(tmp_path, {"dtype": "f32"}))
+    assert type(f32) is XlaBackend
 
 
 def load_config_text(tmp_path, target: dict):

@@ -20,17 +20,20 @@ from dspine_jax.errors import ConfigError
 from dspine_jax.losses import LossConfig
 
 
+TARGET_ATTENTION = ("auto", "xla", "cudnn")
+
+
 @dataclasses.dataclass(frozen=True)
 class TargetSection:
     name: str = "smollm2-135m-instruct"
     dtype: str = "auto"                    # the frozen target's compute dtype
-    attention: str = "xla"                 # its attention in training: xla (everywhere) or
+    attention: str = "auto"                # its attention in training: xla (everywhere),
                                            # cudnn (fused, never writes the scores; CUDA
-                                           # GPUs, bf16)
+                                           # GPUs, bf16/f16) or auto (cudnn where it runs)
 
     def __post_init__(self):
-        if self.attention not in ("xla", "cudnn"):
-            raise ConfigError(f"target.attention must be 'xla' or 'cudnn', got "
+        if self.attention not in TARGET_ATTENTION:
+            raise ConfigError(f"target.attention must be one of {TARGET_ATTENTION}, got "
                               f"{self.attention!r}")
 
 
