@@ -1,13 +1,15 @@
-"""lax.top_k over long rows (a vocabulary), exact, in two stages on a GPU.
+"""lax.top_k over long rows (a vocabulary), exact, in two stages when the rows are few.
 
-XLA's GPU TopK runs one row per thread block, so a few long rows leave the GPU idle:
-15 rows of 49,152 logits took 168 us in a SmolLM2 DSpine pass (10% of it), and the
-training loss's 16,384 rows 16 ms of a 141 ms step. Split into chunks, every row becomes
-many short rows: the top-k of each chunk, then the top-k of those n_chunks * k
-survivors. The result is lax.top_k's exactly: a token in the global top-k is in its own
-chunk's top-k, and the survivors stay in index order (chunk by chunk, each chunk's ties
-lower index first), so ties still go to the lower index. On a CPU one pass over the row
-is faster (3x at these shapes), so the split is made on GPUs only.
+XLA's GPU TopK runs one thread block per row, about 12 us of fixed cost plus ~3.4 ns per
+element on the H200. A few long rows leave most of the GPU idle: DSpine's 15 slots of
+49,152 logits took 168 us of a 1.7 ms SmolLM2 pass. Split into n chunks, each row becomes
+n short rows that run side by side: the top-k of each chunk, then the top-k of the
+n * k survivors. Many short rows are worse (the fixed cost: 786k rows of 1,024 took
+74 ms where 16,384 rows of 49,152 took 16 ms), so a row is split only into as many
+chunks as fill one wave of the GPU (multiprocessors / rows), never below 1,024 elements.
+The result is lax.top_k's exactly: a token in the global top-k is in its own chunk's
+top-k, and the survivors stay in index order (chunk by chunk, each chunk's ties lower
+index first), so ties still go to the lower index. CPUs keep one pass (3x faster there).
 DSPINE_TOP_K_SPLIT=0 in the environment turns the split off (before/after timings).
 
 Shape legend: R rows, V row length, C chunk, n = ceil(V / C) chunks.
@@ -20,7 +22,8 @@ import os
 import jax
 import jax.numpy as jnp
 
-CHUNK = 1024
+MIN_CHUNK = 1024
+DEFAULT_MULTIPROCESSORS = 132  # H100/H200 SXM, where the device does not say
 
 
 def _lowest(dtype):
@@ -28,7 +31,7 @@ def _lowest(dtype):
     return -jnp.inf if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).min
 
 
-def two_stage_top_k(x: jax.Array, k: int, chunk: int = CHUNK):
+def two_stage_top_k(x: jax.Array, k: int, chunk: int):
     """x [R, V], static k <= chunk -> (values [R, k], indices [R, k] int32), as
     lax.top_k(x, k); the last chunk is padded with the dtype's lowest value, which never
     wins a tie against a real entry (padding comes after every real index)."""
@@ -44,19 +47,34 @@ def two_stage_top_k(x: jax.Array, k: int, chunk: int = CHUNK):
 
 
 def splits_rows() -> bool:
-    """Whether `top_k` splits long rows: on GPUs, unless DSPINE_TOP_K_SPLIT=0."""
+    """Whether `top_k` may split rows: on GPUs, unless DSPINE_TOP_K_SPLIT=0."""
     return jax.default_backend() == "gpu" and os.environ.get("DSPINE_TOP_K_SPLIT") != "0"
+
+
+def split_chunk(rows: int, v: int, k: int) -> int | None:
+    """The chunk length `top_k` splits rows of v into, or None for one pass: as many
+    chunks as there are multiprocessors per row (one wave), at least 2, each at least
+    MIN_CHUNK and 4 k long, rounded up to a multiple of 128."""
+    if not splits_rows():
+        return None
+    sms = getattr(jax.devices()[0], "core_count", None) or DEFAULT_MULTIPROCESSORS
+    n = min(sms // max(rows, 1), v // max(MIN_CHUNK, 4 * k))
+    if n < 2:
+        return None
+    per_chunk = -(-v // n)
+    return -(-per_chunk // 128) * 128
 
 
 def top_k(x: jax.Array, k: int):
     """lax.top_k over the last axis of x [..., V] -> (values [..., k], indices [..., k]
-    int32): two stages on a GPU when rows are long (V >= 4 chunks and k <= chunk / 4),
-    one otherwise. Leading axes are flattened first: XLA's CPU backend keeps its TopK
-    kernel only for rank-2 operands (a higher rank becomes a full sort of the row)."""
+    int32), in two stages where `split_chunk` says so. Leading axes are flattened first:
+    XLA's CPU backend keeps its TopK kernel only for rank-2 operands (a higher rank
+    becomes a full sort of the row)."""
     lead, v = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, v)
-    if splits_rows() and v >= 4 * CHUNK and k <= CHUNK // 4:
-        values, ids = two_stage_top_k(flat, k)
-    else:
+    chunk = split_chunk(flat.shape[0], v, k)
+    if chunk is None:
         values, ids = jax.lax.top_k(flat, k)
+    else:
+        values, ids = two_stage_top_k(flat, k, chunk)
     return values.reshape(lead + (k,)), ids.reshape(lead + (k,)).astype(jnp.int32)

@@ -56,12 +56,31 @@ def test_k_above_the_chunk_is_refused():
         long_rows.two_stage_top_k(jnp.zeros((1, 100)), 65, 64)
 
 
+def test_split_rule_fills_one_wave_of_the_gpu(monkeypatch):
+    """A few rows are split into multiprocessors / rows chunks (>= 1,024 long, multiples
+    of 128); many rows, short rows, the CPU and DSPINE_TOP_K_SPLIT=0 keep one pass."""
+    monkeypatch.setattr(long_rows, "splits_rows", lambda: True)
+    monkeypatch.setattr(long_rows.jax, "devices", lambda: [type("D", (), {"core_count": 132})])
+    assert long_rows.split_chunk(15, 49152, 16) == 6144        # 8 chunks: 120 rows
+    assert long_rows.split_chunk(1, 49152, 1) == 1024          # 48 chunks of 1,024
+    assert long_rows.split_chunk(120, 49152, 16) is None       # 120 rows fill a wave
+    assert long_rows.split_chunk(16384, 49152, 16) is None     # training's rows
+    assert long_rows.split_chunk(4, 1500, 16) is None          # too short to split
+    assert long_rows.split_chunk(15, 151936, 16) == 19072      # Qwen3: 8 chunks
+    monkeypatch.undo()
+    assert long_rows.split_chunk(15, 49152, 16) is None        # the CPU
+    monkeypatch.setenv("DSPINE_TOP_K_SPLIT", "0")
+    monkeypatch.setattr(long_rows.jax, "default_backend", lambda: "gpu")
+    assert not long_rows.splits_rows()
+
+
 def test_split_path_through_top_k_and_its_callers(monkeypatch):
     """With the split forced (as on a GPU) top_k, top_k_indices and first_argmax keep
-    lax.top_k's results on rank-3 input with ties; with DSPINE_TOP_K_SPLIT=0 it is off."""
-    x = np.random.default_rng(2).integers(-2, 3, size=(2, 3, 4 * long_rows.CHUNK + 5))
+    lax.top_k's results on rank-3 input with ties."""
+    x = np.random.default_rng(2).integers(-2, 3, size=(2, 3, 4101))
     want_v, want_i = stable_top_k(x, 8)
     monkeypatch.setattr(long_rows, "splits_rows", lambda: True)
+    assert long_rows.split_chunk(6, 4101, 8) == 1152           # 4 chunks, the last padded
     values, ids = long_rows.top_k(jnp.asarray(x, jnp.float32), 8)
     assert ids.shape == (2, 3, 8)
     np.testing.assert_array_equal(ids, want_i)
@@ -69,7 +88,3 @@ def test_split_path_through_top_k_and_its_callers(monkeypatch):
     np.testing.assert_array_equal(top_k_indices(jnp.asarray(x, jnp.float32), 8), want_i)
     np.testing.assert_array_equal(first_argmax(jnp.asarray(x, jnp.float32)),
                                   np.argmax(x, -1))
-    monkeypatch.undo()
-    monkeypatch.setenv("DSPINE_TOP_K_SPLIT", "0")
-    monkeypatch.setattr(long_rows.jax, "default_backend", lambda: "gpu")
-    assert not long_rows.splits_rows()
