@@ -260,8 +260,11 @@ class BatchDecoder:
         return state
 
     # ----- compiled pieces (offline batches) ----------------------------------------------
-    def _prefill_batch(self, params, tokens, lengths, caches, sampling, budget, rng, ignore_eos,
-                       out_len):
+    def _prefill_batch(self, params, tokens, lengths, page_table, sampling, budget, rng,
+                       ignore_eos, num_pages, out_len):
+        # the empty caches are built inside the compiled program: built eagerly, one
+        # dispatch per layer's pool, they cost more host time than the prefill itself
+        caches = self.create_caches(page_table, num_pages)
         logits, caches = self.prefill(params, tokens, lengths, caches)
         state = self.empty_state(caches, out_len)
         rows = jnp.arange(tokens.shape[0], dtype=jnp.int32)
@@ -320,24 +323,20 @@ class BatchDecoder:
         ignore = jnp.asarray(ignore_eos)
         params = self.params()
 
-        def args(abstract=False):  # fresh caches per call: prefill donates them
-            caches = functools.partial(self.create_caches, page_table, num_pages)
-            return (params, tokens, lengths, jax.eval_shape(caches) if abstract else caches(),
-                    sampling, budget, rng, ignore)
+        args = (params, tokens, lengths, page_table, sampling, budget, rng, ignore)
 
         t0 = time.perf_counter()
         greedy = sampling.all_greedy  # greedy batches trace no sampling at all
         shape = (b, capacity, num_pages, out_len, greedy)
-        # compiled from shapes: no page pool is allocated until the first prefill
+        # the prefill builds the page pools itself: none is allocated until it runs
         prefill = self._compile(("prefill", prompt_len) + shape, self._prefill_batch,
-                                *args(abstract=True), out_len, static=("out_len",),
-                                donate=("caches",))
-        state = jax.eval_shape(functools.partial(self._prefill_batch, out_len=out_len),
-                               *args(abstract=True))
+                                *args, num_pages, out_len, static=("num_pages", "out_len"))
+        state = jax.eval_shape(functools.partial(self._prefill_batch, num_pages=num_pages,
+                                                 out_len=out_len), *args)
         decode = self._compile(("decode",) + shape, self.decode, params, state, sampling,
                                ignore, self.steps_per_call, static=("num_steps",),
                                donate=("state",))
-        return PreparedBatch(prefill=lambda: prefill(*args()),
+        return PreparedBatch(prefill=lambda: prefill(*args),
                              decode=lambda s: decode(params, s, sampling, ignore),
                              compile_seconds=time.perf_counter() - t0)
 
