@@ -13,8 +13,8 @@ from flax import nnx
 
 from dspine_jax.drafters.blocks import block_labels, sample_anchors, target_slot_logits
 from dspine_jax.drafters.model import DraftOutput
-from dspine_jax.losses import (LossConfig, alignment_scale, drafter_loss, slot_metrics,
-                               slot_weights, teacher_replacement_probability)
+from dspine_jax.losses import (LossConfig, alignment_scale, drafter_loss, label_rank,
+                               slot_metrics, slot_weights, teacher_replacement_probability)
 from tests.test_drafters import ANCHORS, K, TARGET, TOKENS, features, make
 
 
@@ -121,12 +121,27 @@ def test_backbone_loss_matches_reference(backbone):
 def test_slot_metrics_on_a_hand_built_block():
     labels = jnp.asarray([[[0, 1, 2, 3], [0, 1, 2, 3]]])
     predicted = np.asarray([[[0, 1, 2, 0], [0, 1, 0, 3]]])     # prefixes 3 and 2 (bonus incl.)
-    logits = jax.nn.one_hot(predicted, 4) * 5
     sup = jnp.asarray([[[0, 1, 1, 1], [0, 1, 1, 1]]], bool)
-    m = slot_metrics(logits, labels, sup)
+    m = slot_metrics(jnp.asarray(predicted) == labels, sup)
     np.testing.assert_allclose(m["slot_accuracy"], [1, 1, 0.5, 0.5])
     assert float(m["accept_len_blocks"]) == pytest.approx((3 + 2) / 2)
     assert float(m["accept_len_estimate"]) == pytest.approx(1 + 1 + 0.5 + 0.25)
+
+
+def test_label_rank_is_the_labels_place_in_top_k_order():
+    """Against lax.top_k on small integer logits (ties everywhere): rank < C exactly when
+    the label is among the top-C, rank 0 exactly when it is the argmax."""
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.integers(-2, 3, size=(3, 5, 40)), jnp.float32)
+    labels = jnp.asarray(rng.integers(0, 40, size=(3, 5)))
+    rank = label_rank(logits, labels)
+    order = np.argsort(-np.asarray(logits, np.float64), -1, kind="stable")
+    want = np.argmax(order == np.asarray(labels)[..., None], -1)
+    np.testing.assert_array_equal(rank, want)
+    for c in (1, 4, 16):
+        top = jax.lax.top_k(logits, c)[1]
+        np.testing.assert_array_equal(rank < c, np.any(top == labels[..., None], -1))
+    np.testing.assert_array_equal(rank == 0, jnp.argmax(logits, -1) == labels)
 
 
 def reference_codes(drafter, e_out, tokens):
@@ -222,7 +237,7 @@ def test_refinement_and_alignment_terms_match_reference(target):
     cos = (f * codes).sum(-1) / np.linalg.norm(f, axis=-1)
     mis = (1 - cos).sum(0)
     assert float(m["alignment"]) == pytest.approx((mis * w).sum() / w.sum(), rel=1e-4)
-    assert 0 <= float(m["coverage"]) <= 1
+    assert float(m["coverage"]) == pytest.approx((hit.any(-1) * sp).sum() / sp.sum())
 
 
 def test_gradients_reach_only_trainable_parameters(target):
