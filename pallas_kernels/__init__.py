@@ -15,6 +15,9 @@ reference (plain JAX, the documentation of what the kernels compute).
   drafter's hidden states and the lm_head, a running top-k over vocabulary tiles; Mosaic
   TPU kernel and a Hopper GPU kernel, Pallas Triton lowering, split over the vocabulary),
   then the C x C transition table and the chain walk in plain JAX (`dspine_proposal`).
+* `top_k` (module `top_k.py`): lax.top_k over long rows, exactly, split into chunks on a
+  GPU when the rows are too few to fill it (XLA's TopK runs one thread block per row);
+  the "xla" path of `vocab_top_k` and the engine's argmax and candidate top-k use it.
 """
 
 from .dspine_proposal import dspine_proposal, vocab_top_k, vocab_top_k_reference
