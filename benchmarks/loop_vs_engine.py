@@ -14,7 +14,8 @@ same dequantised weights in the same dtype. Prompts: JSONL as for `dspine genera
 row decodes exactly --max-new-tokens (EOS ignored), so both sides emit the same number of
 tokens.
 
-Timing: each (side, method, batch) first decodes one batch to compile / autotune, then
+Timing: each (side, method, batch) first compiles (JAX: every shape its batches need, in
+--compile-workers threads) or decodes one batch to autotune (PyTorch), then decodes
 all prompts in batches; tokens/s = all new tokens / decode seconds (JAX: the engine's own
 wall time, compilation excluded; PyTorch: wall time with the device synchronised). The
 JAX engine decodes every batch twice and times the second run; first_run_seconds sums the
@@ -42,6 +43,23 @@ import time
 from pathlib import Path
 
 
+def compile_shapes(decoder, groups, workers: int, **options) -> None:
+    """Compile the programs of every shape the groups of prompts fall into, in threads
+    (XLA compiles outside the GIL): one group per shape, as the decoder buckets them
+    (rows, padded prompt length, cache capacity)."""
+    import concurrent.futures
+
+    from dspine_jax.decoding import bucket
+
+    shapes = {}
+    for group in groups:
+        longest = max(len(p) for p in group)
+        capacity = bucket(longest + options["max_new_tokens"] + decoder.extra_capacity)
+        shapes.setdefault((len(group), bucket(longest), capacity), group)
+    with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
+        list(pool.map(lambda g: decoder.prepare(g, **options), shapes.values()))
+
+
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=None, help="target (default: the built-in one)")
@@ -57,6 +75,8 @@ def parse(argv=None):
     ap.add_argument("--skip-ar", action="store_true")
     ap.add_argument("--skip-torch", action="store_true",
                     help="time the JAX engine only (no transformers target is built)")
+    ap.add_argument("--compile-workers", type=int, default=8,
+                    help="shapes compiled at once before a method's batches are timed")
     ap.add_argument("--out", default=None, help="JSON, rewritten after every row")
     return ap.parse_args(argv)
 
@@ -148,9 +168,9 @@ def main(argv=None):
                          .to(device) if drafter and hf_target is not None else None)
         for b in args.batch:
             groups = batches(prompts, b)
-            # JAX engine: compile on the first batch, then time every batch.
+            # JAX engine: compile every batch's shapes side by side, then time every batch.
             kw = {"max_new_tokens": new, "temperature": args.temperature, "ignore_eos": True}
-            pipe.decoder.generate(groups[0], **kw)
+            compile_shapes(pipe.decoder, groups, args.compile_workers, **kw)
             toks, accepts, seconds, prefill, first_run = [], [], 0.0, 0.0, 0.0
             batch_passes = slots = row_passes = 0
             for i, group in enumerate(groups):

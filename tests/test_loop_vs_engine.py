@@ -34,3 +34,26 @@ def test_jax_rows_split_prefill_and_passes(tiny_llama_dir, tmp_path):
     for r in rows:
         assert r["tokens"] == 18 and 0 < r["prefill_seconds"] < r["seconds"]
         assert r["pass_ms"] > 0 and r["first_run_seconds"] > 0
+
+
+def test_compile_shapes_prepares_one_group_per_shape():
+    """Groups that the decoder buckets alike compile once; each distinct (rows, padded
+    prompt, capacity) shape once, with the run's options."""
+    import threading
+
+    from dspine_benchmarks.loop_vs_engine import compile_shapes
+
+    calls, lock = [], threading.Lock()
+
+    class Decoder:
+        extra_capacity = 16
+
+        def prepare(self, group, **options):
+            with lock:
+                calls.append((len(group), max(len(p) for p in group), options))
+
+    groups = [[[1] * 20], [[1] * 30], [[1] * 40], [[1] * 20, [1] * 5], [[1] * 300]]
+    compile_shapes(Decoder(), groups, 4, max_new_tokens=100, ignore_eos=True)
+    # 20 and 30 tokens share a 32-token bucket; 40 pads to 64; two rows; 300 to 512
+    assert sorted(c[:2] for c in calls) == [(1, 20), (1, 40), (1, 300), (2, 20)]
+    assert all(c[2] == {"max_new_tokens": 100, "ignore_eos": True} for c in calls)
