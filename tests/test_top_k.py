@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import top_k as long_rows
 from dspine_jax.sampling import first_argmax, top_k_indices
+from pallas_kernels import top_k as long_rows
 
 
 def stable_top_k(x, k):
@@ -40,6 +40,7 @@ def test_two_stage_keeps_real_minus_inf_before_the_padding():
     x[0, [5, 77]] = [1.0, 2.0]
     values, ids = long_rows.two_stage_top_k(jnp.asarray(x), 4, 64)
     np.testing.assert_array_equal(ids, [[77, 5, 0, 1], [0, 1, 2, 3]])
+    np.testing.assert_array_equal(values[0], [2.0, 1.0, -np.inf, -np.inf])
     assert np.asarray(ids).max() < 130
 
 
