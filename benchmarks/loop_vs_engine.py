@@ -46,16 +46,12 @@ from pathlib import Path
 def compile_shapes(decoder, groups, workers: int, **options) -> None:
     """Compile the programs of every shape the groups of prompts fall into, in threads
     (XLA compiles outside the GIL): one group per shape, as the decoder buckets them
-    (rows, padded prompt length, cache capacity)."""
+    (`bucket_shape`)."""
     import concurrent.futures
-
-    from dspine_jax.decoding import bucket
 
     shapes = {}
     for group in groups:
-        longest = max(len(p) for p in group)
-        capacity = bucket(longest + options["max_new_tokens"] + decoder.extra_capacity)
-        shapes.setdefault((len(group), bucket(longest), capacity), group)
+        shapes.setdefault(decoder.bucket_shape(group, options["max_new_tokens"]), group)
     with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
         list(pool.map(lambda g: decoder.prepare(g, **options), shapes.values()))
 

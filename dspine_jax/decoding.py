@@ -299,19 +299,23 @@ class BatchDecoder:
                 raise InputError(f"prompt {i} has token ids outside the vocabulary "
                                  f"[0, {self.config.vocab_size}): {bad[:5]}")
 
+    def bucket_shape(self, prompts: Sequence[Sequence[int]],
+                     max_new_tokens: int) -> tuple[int, int, int, int]:
+        """(rows, padded prompt length, output buffer, cache capacity): the shape bucket a
+        request's programs are compiled for (with its sampling's greedy flag)."""
+        longest = max(len(p) for p in prompts)
+        capacity = min(bucket(longest + max_new_tokens + self.extra_capacity),
+                       self.config.max_position_embeddings)
+        return len(prompts), bucket(longest), bucket(max_new_tokens), capacity
+
     def prepare(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                 seed: int = 0, ignore_eos: bool = False) -> PreparedBatch:
         """Check the request, pad it into its shape bucket and compile (once per bucket).
         Returns the two stages as closures so callers (and benchmarks) can drive them."""
         self.check_request(prompts, max_new_tokens)
-        b = len(prompts)
+        b, prompt_len, out_len, capacity = self.bucket_shape(prompts, max_new_tokens)
         sampling = SamplingParams.create(b, temperature, top_p, top_k)
-        longest = max(len(p) for p in prompts)
-        prompt_len = bucket(longest)
-        out_len = bucket(max_new_tokens)
-        capacity = min(bucket(longest + max_new_tokens + self.extra_capacity),
-                       self.config.max_position_embeddings)
         page_table, num_pages = self.allocate_pages(prompts, max_new_tokens, capacity)
         tokens = np.zeros((b, prompt_len), np.int32)
         for i, p in enumerate(prompts):

@@ -42,11 +42,14 @@ def test_compile_shapes_prepares_one_group_per_shape():
     import threading
 
     from dspine_benchmarks.loop_vs_engine import compile_shapes
+    from dspine_jax.decoding import BatchDecoder
 
     calls, lock = [], threading.Lock()
 
     class Decoder:
         extra_capacity = 16
+        config = type("Config", (), {"max_position_embeddings": 8192})
+        bucket_shape = BatchDecoder.bucket_shape
 
         def prepare(self, group, **options):
             with lock:
