@@ -25,8 +25,8 @@ import jax.numpy as jnp
 from .common import IMPLEMENTATIONS, check_inputs
 from ..platform import backend_implementation
 from ..top_k import top_k
-from .reference import (TransitionWeights, transition_table, vocab_top_k_reference,
-                        walk_chain, warp_small)
+from .reference import (TransitionWeights, transition_table, vocab_logits,
+                        vocab_top_k_reference, walk_chain, warp_small)
 
 __all__ = ["vocab_top_k", "vocab_top_k_reference", "dspine_proposal", "TransitionWeights",
            "transition_table", "walk_chain", "warp_small", "IMPLEMENTATIONS"]
@@ -35,9 +35,7 @@ __all__ = ["vocab_top_k", "vocab_top_k_reference", "dspine_proposal", "Transitio
 def vocab_top_k_xla(hidden, weight, k: int):
     """The reference's full logits, then `top_k.top_k` (two stages over the vocabulary on a
     GPU: XLA's one-pass TopK gives each row one thread block)."""
-    logits = jnp.einsum("RD,VD->RV", hidden, weight.astype(hidden.dtype),
-                        preferred_element_type=jnp.float32)
-    return top_k(logits, k)
+    return top_k(vocab_logits(hidden, weight), k)
 
 
 @functools.partial(jax.jit, static_argnames=("k", "implementation", "interpret"))

@@ -23,11 +23,15 @@ import jax
 import jax.numpy as jnp
 
 
+def vocab_logits(hidden, weight):
+    """hidden [R, D], weight [V, D] -> logits [R, V] float32 (weight in hidden's dtype)."""
+    return jnp.einsum("RD,VD->RV", hidden, weight.astype(hidden.dtype),
+                      preferred_element_type=jnp.float32)
+
+
 def vocab_top_k_reference(hidden, weight, k: int):
     """hidden [R, D], weight [V, D] -> (values [R, k] float32, ids [R, k] int32)."""
-    logits = jnp.einsum("RD,VD->RV", hidden, weight.astype(hidden.dtype),
-                        preferred_element_type=jnp.float32)
-    values, ids = jax.lax.top_k(logits, k)
+    values, ids = jax.lax.top_k(vocab_logits(hidden, weight), k)
     return values, ids.astype(jnp.int32)
 
 
