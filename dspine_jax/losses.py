@@ -147,12 +147,13 @@ def drafter_loss(config: LossConfig, drafter: BlockDrafter, out: DraftOutput, la
     per_slot = backbone
 
     num_candidates = min(config.top_k, out.logits.shape[-1])
-    rank = label_rank(jax.lax.stop_gradient(out.logits), labels)       # [B, n, K]
+    frozen = jax.lax.stop_gradient(out.logits)
+    rank = label_rank(frozen, labels)                                  # [B, n, K]
     label_in = rank < num_candidates
     metrics["coverage"] = _mean_over(label_in, supervised, total)
 
     if config.refinement:
-        candidates = top_k_indices(jax.lax.stop_gradient(out.logits), num_candidates)
+        candidates = top_k_indices(frozen, num_candidates)             # [B, n, K, C]
         rows = jnp.take(output_embedding, candidates, axis=0)          # [B, n, K, C, D]
         scores = drafter.transition_scores(out.pre_injection, teacher_tokens[..., None],
                                            rows, output_embedding)[..., 0, :]  # [B,n,K,C]
