@@ -49,6 +49,10 @@ CASES = [
      [300, 170, 16, 80], [16, 7, 16, 16]),
     ("draft_long_g3_bidirectional", 16, 1, 3, 64, "bfloat16", "bidirectional", PS,
      [261, 129, 40], [16, 16, 9]),
+    # more tokens than the GPU kernel writes itself (gpu.FUSED_WRITE_MAX_T): an XLA
+    # scatter writes them first
+    ("prefill_long_write_first", 80, 2, 1, 64, "float32", "causal", PS,
+     [80, 100, 5], [80, 70, 5]),
 ]
 # Explicit GPU kernel configs over long rows: (case index, kernel keyword arguments)
 GPU_CONFIGS = [
@@ -57,6 +61,8 @@ GPU_CONFIGS = [
     (9, dict(block_n=32, num_splits=7, num_warps=8)),
     (10, dict(block_n=32, num_splits=2, block_m=16)),  # several query tiles
     (7, dict(block_n=16, num_splits=5)),             # page size 8: two pages per tile
+    (2, dict(fused_write=False)),                    # pools written first by XLA
+    (9, dict(fused_write=False, block_n=16, num_splits=3)),
 ]
 LONG_PAGE_CASE = ("page_size_128_long", 16, 2, 2, 64, "bfloat16", "causal", 128,
                   [400, 129, 16], [16, 16, 3])

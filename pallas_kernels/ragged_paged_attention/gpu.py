@@ -24,9 +24,13 @@ past kv_len read the row's last key (masked out), and the loop ends at the last 
 program's queries can see (causal: the tile holding key ctx + t_max), so no page past the
 row's kv_len is touched.
 
-The new tokens are written first by an XLA scatter into the (donated) pools, then the
-kernel reads the pools: the write moves T tokens, the read kv_len, so a fused write
-would save nothing measurable.
+The new tokens. Every program reads keys [ctx, kv_len) straight from new_k/new_v and only
+keys [0, ctx) from the pools, so the pools may be written during the call: for calls of
+at most FUSED_WRITE_MAX_T tokens per row (decode, verify, draft) the last program of each
+(row, kv head) stores the row's new tokens into the (aliased, donated) pools, which saves
+the two XLA scatter kernels per layer that a small call otherwise pays (at batch 1 on
+SmolLM2 they were 7% of an AR step's device time and 10% of a DSpine pass's); longer
+calls (prefill) are written by an XLA scatter before the kernel.
 
 Why Triton and not Mosaic GPU. Mosaic GPU (`plgpu`) is the supported Hopper lowering and
 its TMA copies take a dynamic leading index, but (a) its pipelines fetch one rectangular
@@ -43,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -54,16 +59,21 @@ from .common import MASK_VALUE, default_scale, unpack_outputs, write_new_tokens
 
 LOG2E = math.log2(math.e)
 DEFAULT_SM_COUNT = 132          # H100/H200 SXM
+# Calls of at most this many tokens per row (decode, verify, draft) have the kernel write
+# them; one program per (row, kv head) does, WRITE_CHUNK tokens per store.
+FUSED_WRITE_MAX_T = 64
+WRITE_CHUNK = 32
 
 
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-def _kernel(page_table_ref, kv_lens_ref, q_lens_ref, q_ref, k_ref, v_ref,   # inputs
-            o_ref, m_ref, l_ref,                                            # outputs
+def _kernel(page_table_ref, kv_lens_ref, q_lens_ref, q_ref, new_k_ref, new_v_ref,   # inputs
+            k_ref, v_ref,
+            o_ref, m_ref, l_ref, k_out_ref, v_out_ref,                      # outputs
             *, page_size, kv_heads, group, t_len, block_m, block_n, m_tiles, causal,
-            scale_log2, precision):
+            scale_log2, precision, write_tokens):
     b = pl.program_id(0)
     kh = pl.program_id(1) // m_tiles
     mt = pl.program_id(1) % m_tiles
@@ -73,7 +83,8 @@ def _kernel(page_table_ref, kv_lens_ref, q_lens_ref, q_ref, k_ref, v_ref,   # in
     n_heads = kv_heads * group
 
     kv_len = kv_lens_ref[b]
-    ctx = kv_len - q_lens_ref[b]
+    q_len = q_lens_ref[b]
+    ctx = kv_len - q_len
     # [BM] packed query rows m = t * G + g of this tile; rows past T * G (tile padding)
     # read token T - 1 and are dropped by the combine
     m_idx = mt * block_m + jnp.arange(block_m, dtype=jnp.int32)
@@ -82,8 +93,11 @@ def _kernel(page_table_ref, kv_lens_ref, q_lens_ref, q_ref, k_ref, v_ref,   # in
     # q is [B * T * N, H]: row (b * T + t) * N + kh * G + g, gathered here (no packed copy)
     q = q_ref[(b * t_len + tok) * n_heads + kh * group + m_idx % group, :]   # [BM, H]
 
-    # Keys [0, full_hi) are seen by every query row of the tile: no mask there. The tiles
-    # from full_hi // BN to the last one any row sees are masked (kv_len, causal).
+    # Keys [0, ctx) are in the pools and seen by every query row; keys [ctx, kv_len) are
+    # this call's, read from new_k/new_v (never from the pools, which one program of the
+    # grid writes them into while the others read). Tiles below ctx // BN: pools only,
+    # no mask; from there to full_hi // BN: both sources, no mask; then to the last tile
+    # any row sees: both sources, masked (kv_len, causal).
     if causal:
         first_t = (mt * block_m) // group
         last_t = jnp.minimum((mt * block_m + block_m - 1) // group, t_len - 1)
@@ -96,10 +110,12 @@ def _kernel(page_table_ref, kv_lens_ref, q_lens_ref, q_ref, k_ref, v_ref,   # in
     per_split = pl.cdiv(n_tiles, num_splits)
     lo_tile = jnp.minimum(split * per_split, n_tiles)
     hi_tile = jnp.minimum(n_tiles, lo_tile + per_split)
-    mid_tile = jnp.clip(full_hi // block_n, lo_tile, hi_tile)
-    last_key = jnp.maximum(kv_len - 1, 0)
+    cache_tile = jnp.clip(ctx // block_n, lo_tile, hi_tile)
+    mid_tile = jnp.clip(full_hi // block_n, cache_tile, hi_tile)
+    last_cached = jnp.maximum(ctx - 1, 0)
+    last_new = jnp.maximum(q_len - 1, 0)
 
-    last_entry = jnp.minimum(last_key // page_size, pages_per_seq - 1)
+    last_entry = jnp.minimum(last_cached // page_size, pages_per_seq - 1)
 
     def page_id(entry):
         # page_table_ref is the int32 table seen as int16 pairs [B, 2 * PPS] (low half
@@ -109,10 +125,10 @@ def _kernel(page_table_ref, kv_lens_ref, q_lens_ref, q_ref, k_ref, v_ref,   # in
         hi = page_table_ref[b, 2 * entry + 1].astype(jnp.int32)
         return lo | (hi << 16)
 
-    def load_kv(tile, pos):
-        # One [BN, H] tile of keys/values through the page table: each key's H values
-        # are contiguous in the pool (consecutive keys of one kv head are K * H apart),
-        # BN / PS page ids per tile.
+    def load_cached(tile, pos):
+        # One [BN, H] tile of cached keys/values through the page table: each key's H
+        # values are contiguous in the pool (consecutive keys of one kv head are K * H
+        # apart), BN / PS page ids per tile.
         first = tile * (block_n // page_size) if block_n >= page_size else (
             tile * block_n) // page_size
         page = page_id(jnp.minimum(first, last_entry))
@@ -121,6 +137,16 @@ def _kernel(page_table_ref, kv_lens_ref, q_lens_ref, q_ref, k_ref, v_ref,   # in
             page = jnp.where(pos >= (first + j) * page_size, page_j, page)
         row = (page * page_size + pos % page_size) * kv_heads + kh
         return k_ref[row, :], v_ref[row, :]
+
+    def load_mixed(tile, pos):
+        # Positions >= ctx from this call's tokens (past kv_len: the last one, masked
+        # out), the others from the pools (positions >= ctx there read the last cached
+        # key and are discarded by the select, so what the pools hold there is never used).
+        k_old, v_old = load_cached(tile, jnp.minimum(pos, last_cached))
+        new = (pos >= ctx) & (q_len > 0)
+        row = (b * t_len + jnp.clip(pos - ctx, 0, last_new)) * kv_heads + kh
+        k_new, v_new = new_k_ref[row, :], new_v_ref[row, :]
+        return (jnp.where(new[:, None], k_new, k_old), jnp.where(new[:, None], v_new, v_old))
 
     def update(carry, s, v, visible):
         # s: [BM, BN] raw scores; scores in log2 units are s * scale_log2
@@ -141,16 +167,22 @@ def _kernel(page_table_ref, kv_lens_ref, q_lens_ref, q_ref, k_ref, v_ref,   # in
         acc = acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v, precision=precision)
         return acc, m_new, l_new
 
-    def full_tile(tile, carry):
-        pos = tile * block_n + jnp.arange(block_n, dtype=jnp.int32)    # [BN], all < full_hi
-        k, v = load_kv(tile, pos)
+    def tile_positions(tile):
+        return tile * block_n + jnp.arange(block_n, dtype=jnp.int32)   # [BN]
+
+    def cached_tile(tile, carry):
+        k, v = load_cached(tile, tile_positions(tile))                 # all < ctx
         s = pltriton.dot(q, k, trans_b=True, precision=precision)     # [BM, BN]
         return update(carry, s, v, None)
 
+    def full_tile(tile, carry):
+        k, v = load_mixed(tile, tile_positions(tile))                  # all < full_hi
+        s = pltriton.dot(q, k, trans_b=True, precision=precision)
+        return update(carry, s, v, None)
+
     def edge_tile(tile, carry):
-        pos = tile * block_n + jnp.arange(block_n, dtype=jnp.int32)
-        # positions past kv_len read the row's last key (masked out below)
-        k, v = load_kv(tile, jnp.minimum(pos, last_key))
+        pos = tile_positions(tile)
+        k, v = load_mixed(tile, pos)
         s = pltriton.dot(q, k, trans_b=True, precision=precision)
         visible = pos[None, :] < kv_len
         if causal:
@@ -161,11 +193,34 @@ def _kernel(page_table_ref, kv_lens_ref, q_lens_ref, q_ref, k_ref, v_ref,   # in
     carry = (jnp.zeros((block_m, head_dim), jnp.float32),
              jnp.full((block_m,), MASK_VALUE, jnp.float32),
              jnp.zeros((block_m,), jnp.float32))
-    carry = lax.fori_loop(lo_tile, mid_tile, full_tile, carry)
+    carry = lax.fori_loop(lo_tile, cache_tile, cached_tile, carry)
+    carry = lax.fori_loop(cache_tile, mid_tile, full_tile, carry)
     acc, m_i, l_i = lax.fori_loop(mid_tile, hi_tile, edge_tile, carry)
     o_ref[...] = acc
     m_ref[...] = m_i
     l_ref[...] = l_i
+
+    if write_tokens:
+        # The last program of each (row, kv head) writes this call's q_len tokens into
+        # the pools, at positions ctx.. (no program reads the pools there).
+        @pl.when((mt == m_tiles - 1) & (split == num_splits - 1))
+        def _write():
+            chunk = min(_next_pow2(t_len), WRITE_CHUNK)
+            for start in range(0, t_len, chunk):
+                t_idx = start + jnp.arange(chunk, dtype=jnp.int32)
+                valid = t_idx < q_len
+                pos = ctx + t_idx
+                entry = jnp.clip(pos // page_size, 0, pages_per_seq - 1)
+                page = ((page_table_ref[b, 2 * entry].astype(jnp.int32) & 0xFFFF)
+                        | (page_table_ref[b, 2 * entry + 1].astype(jnp.int32) << 16))
+                dst = (page * page_size + pos % page_size) * kv_heads + kh
+                src = (b * t_len + jnp.minimum(t_idx, t_len - 1)) * kv_heads + kh
+                # [chunk, H] element indices: a masked scatter (interpret mode wants
+                # every index an array)
+                cols = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
+                keep = jnp.broadcast_to(valid[:, None], (chunk, head_dim))
+                for src_ref, dst_ref in ((new_k_ref, k_out_ref), (new_v_ref, v_out_ref)):
+                    pltriton.store(dst_ref.at[dst[:, None], cols], src_ref[src, :], mask=keep)
 
 
 def default_config(b, t, n, h, kv_heads, page_size, pages_per_seq, dtype):
@@ -205,7 +260,16 @@ def default_config(b, t, n, h, kv_heads, page_size, pages_per_seq, dtype):
 def ragged_paged_attention_gpu(q, new_k, new_v, k_pages, v_pages, page_table, kv_lens,
                                q_lens, *, mask="causal", sm_scale=None, interpret=False,
                                block_m=None, block_n=None, num_splits=None, num_warps=None,
-                               num_stages=None):
+                               num_stages=None, fused_write=None):
+    """The op on a GPU (arguments as `ragged_paged_attention`).
+
+    fused_write: the kernel writes this call's tokens into the pools itself (at most
+    FUSED_WRITE_MAX_T tokens per row; longer calls, prefill, are written by an XLA
+    scatter first); default True unless DSPINE_RPA_FUSED_WRITE=0. block_m .. num_stages
+    override `default_config`.
+    """
+    if fused_write is None:
+        fused_write = os.environ.get("DSPINE_RPA_FUSED_WRITE", "1") != "0"
     b, t, n, h = q.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
     group = n // kv_heads
@@ -220,46 +284,57 @@ def ragged_paged_attention_gpu(q, new_k, new_v, k_pages, v_pages, page_table, kv
     m_tiles = -(-m // block_m)
     m_pad = m_tiles * block_m
 
-    k_pages, v_pages = write_new_tokens(new_k, new_v, k_pages, v_pages, page_table,
-                                        kv_lens, q_lens)
+    write_tokens = fused_write and t <= FUSED_WRITE_MAX_T
+    if not write_tokens:
+        k_pages, v_pages = write_new_tokens(new_k, new_v, k_pages, v_pages, page_table,
+                                            kv_lens, q_lens)
     # [B, 2 * PPS] int16: each page id as (low, high) halves
     pt16 = lax.bitcast_convert_type(page_table, jnp.int16).reshape(b, 2 * pages_per_seq)
-    # [B * T * N, H] (a free reshape): the kernel gathers its packed rows
+    # [B * T * N, H] and [B * T * K, H] (free reshapes): the kernel gathers its rows
     q_flat = q.reshape(b * t * n, h)
+    new_k_flat = new_k.reshape(b * t * kv_heads, h)
+    new_v_flat = new_v.reshape(b * t * kv_heads, h)
     # [P * PS * K, H]: row (page * PS + slot) * K + kv_head (a free reshape)
-    k_flat = k_pages.reshape(num_pages * page_size * kv_heads, h)
-    v_flat = v_pages.reshape(num_pages * page_size * kv_heads, h)
+    pool_rows = num_pages * page_size * kv_heads
+    k_flat = k_pages.reshape(pool_rows, h)
+    v_flat = v_pages.reshape(pool_rows, h)
 
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     kernel = functools.partial(
         _kernel, page_size=page_size, kv_heads=kv_heads, group=group, t_len=t,
         block_m=block_m, block_n=block_n, m_tiles=m_tiles, causal=mask == "causal",
-        scale_log2=default_scale(sm_scale, h) * LOG2E, precision=precision)
+        scale_log2=default_scale(sm_scale, h) * LOG2E, precision=precision,
+        write_tokens=write_tokens)
+    if not write_tokens:     # the pools are inputs only: no outputs to write them through
+        kernel = functools.partial(_no_pool_outputs, kernel)
     whole = pl.no_block_spec
-    o, m_max, l_sum = pl.pallas_call(
+    partial_spec = lambda *tail: pl.BlockSpec(
+        (None, None, None, block_m) + tail,
+        lambda i, j, s: (i, j // m_tiles, s, j % m_tiles) + (0,) * len(tail))
+    out_specs = [partial_spec(h), partial_spec(), partial_spec()]
+    out_shape = [
+        jax.ShapeDtypeStruct((b, kv_heads, num_splits, m_pad, h), jnp.float32),
+        jax.ShapeDtypeStruct((b, kv_heads, num_splits, m_pad), jnp.float32),
+        jax.ShapeDtypeStruct((b, kv_heads, num_splits, m_pad), jnp.float32),
+    ]
+    if write_tokens:         # the pools, written in place (aliased to inputs 6 and 7)
+        out_specs += [whole, whole]
+        out_shape += [jax.ShapeDtypeStruct(k_flat.shape, k_flat.dtype)] * 2
+    outs = pl.pallas_call(
         kernel,
         grid=(b, kv_heads * m_tiles, num_splits),
-        in_specs=[
-            whole, whole, whole,
-            whole, whole, whole,
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, block_m, h),
-                         lambda i, j, s: (i, j // m_tiles, s, j % m_tiles, 0)),
-            pl.BlockSpec((None, None, None, block_m),
-                         lambda i, j, s: (i, j // m_tiles, s, j % m_tiles)),
-            pl.BlockSpec((None, None, None, block_m),
-                         lambda i, j, s: (i, j // m_tiles, s, j % m_tiles)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((b, kv_heads, num_splits, m_pad, h), jnp.float32),
-            jax.ShapeDtypeStruct((b, kv_heads, num_splits, m_pad), jnp.float32),
-            jax.ShapeDtypeStruct((b, kv_heads, num_splits, m_pad), jnp.float32),
-        ],
+        in_specs=[whole] * 8,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases={6: 3, 7: 4} if write_tokens else {},
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(pt16, kv_lens, q_lens, q_flat, k_flat, v_flat)
+    )(pt16, kv_lens, q_lens, q_flat, new_k_flat, new_v_flat, k_flat, v_flat)
+    o, m_max, l_sum = outs[:3]
+    if write_tokens:
+        k_pages = outs[3].reshape(k_pages.shape)
+        v_pages = outs[4].reshape(v_pages.shape)
 
     # Combine the S partials (log2 units): [B, K, S, M, H] -> [B, K, M, H]
     o, m_max, l_sum = o[:, :, :, :m], m_max[:, :, :, :m], l_sum[:, :, :, :m]
@@ -268,3 +343,8 @@ def ragged_paged_attention_gpu(q, new_k, new_v, k_pages, v_pages, page_table, kv
     l_all = (w * l_sum).sum(axis=2)
     out = (w[..., None] * o).sum(axis=2) / jnp.where(l_all > 0, l_all, 1.0)[..., None]
     return unpack_outputs(out, q.shape, q_lens, q.dtype), k_pages, v_pages
+
+
+def _no_pool_outputs(kernel, *refs):
+    """The kernel with no pool outputs (the pools were written before the call)."""
+    return kernel(*refs, None, None)
