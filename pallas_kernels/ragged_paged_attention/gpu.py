@@ -24,13 +24,14 @@ past kv_len read the row's last key (masked out), and the loop ends at the last 
 program's queries can see (causal: the tile holding key ctx + t_max), so no page past the
 row's kv_len is touched.
 
-The new tokens. Every program reads keys [ctx, kv_len) straight from new_k/new_v and only
-keys [0, ctx) from the pools, so the pools may be written during the call: for calls of
-at most FUSED_WRITE_MAX_T tokens per row (decode, verify, draft) the last program of each
-(row, kv head) stores the row's new tokens into the (aliased, donated) pools, which saves
-the two XLA scatter kernels per layer that a small call otherwise pays (at batch 1 on
-SmolLM2 they were 7% of an AR step's device time and 10% of a DSpine pass's); longer
-calls (prefill) are written by an XLA scatter before the kernel.
+The new tokens. For calls of at most FUSED_WRITE_MAX_T tokens per row (decode, verify,
+draft) the programs read only keys [0, ctx) from the pools; the call's own keys are one
+block of T keys read straight from new_k/new_v and attended by each row's last split
+(the causal mask inside it), and the last program of each (row, kv head) stores the
+row's new tokens into the (aliased, donated) pools while the others read. That saves the
+two XLA scatter kernels per layer a small call otherwise pays (at batch 1 on SmolLM2
+they were 7% of an AR step's device time and 10% of a DSpine pass's). Longer calls
+(prefill) are written by an XLA scatter first and read from the pools like every key.
 
 Why Triton and not Mosaic GPU. Mosaic GPU (`plgpu`) is the supported Hopper lowering and
 its TMA copies take a dynamic leading index, but (a) its pipelines fetch one rectangular
@@ -73,7 +74,10 @@ def _kernel(page_table_ref, kv_lens_ref, q_lens_ref, q_ref, new_k_ref, new_v_ref
             k_ref, v_ref,
             o_ref, m_ref, l_ref, k_out_ref, v_out_ref,                      # outputs
             *, page_size, kv_heads, group, t_len, block_m, block_n, m_tiles, causal,
-            scale_log2, precision, write_tokens):
+            scale_log2, precision, fused):
+    """fused: the pools hold keys [0, ctx) only; this call's keys come from new_k/new_v
+    and the kernel writes them into the pools (k_out_ref/v_out_ref). Otherwise the pools
+    already hold every key [0, kv_len) and new_k/new_v are not read."""
     b = pl.program_id(0)
     kh = pl.program_id(1) // m_tiles
     mt = pl.program_id(1) % m_tiles
@@ -92,43 +96,40 @@ def _kernel(page_table_ref, kv_lens_ref, q_lens_ref, q_ref, new_k_ref, new_v_ref
     q_pos = ctx + m_idx // group                                       # [BM]
     # q is [B * T * N, H]: row (b * T + t) * N + kh * G + g, gathered here (no packed copy)
     q = q_ref[(b * t_len + tok) * n_heads + kh * group + m_idx % group, :]   # [BM, H]
+    head_dim = q.shape[-1]
 
-    # Keys [0, ctx) are in the pools and seen by every query row; keys [ctx, kv_len) are
-    # this call's, read from new_k/new_v (never from the pools, which one program of the
-    # grid writes them into while the others read). Tiles below ctx // BN: pools only,
-    # no mask; from there to full_hi // BN: both sources, no mask; then to the last tile
-    # any row sees: both sources, masked (kv_len, causal).
-    if causal:
+    # The pool keys this program reads: [0, ctx) when fused, else [0, kv_len) (up to the
+    # last one any query row of the tile sees). Keys [0, full_hi) are seen by every
+    # query row: no mask there; tiles from full_hi // BN on are masked.
+    if fused:
+        full_hi = hi = ctx
+    elif causal:
         first_t = (mt * block_m) // group
         last_t = jnp.minimum((mt * block_m + block_m - 1) // group, t_len - 1)
         full_hi = jnp.minimum(kv_len, ctx + first_t + 1)
         hi = jnp.minimum(kv_len, ctx + last_t + 1)
     else:
-        full_hi = kv_len
-        hi = kv_len
+        full_hi = hi = kv_len
     n_tiles = pl.cdiv(hi, block_n)
     per_split = pl.cdiv(n_tiles, num_splits)
     lo_tile = jnp.minimum(split * per_split, n_tiles)
     hi_tile = jnp.minimum(n_tiles, lo_tile + per_split)
-    cache_tile = jnp.clip(ctx // block_n, lo_tile, hi_tile)
-    mid_tile = jnp.clip(full_hi // block_n, cache_tile, hi_tile)
-    last_cached = jnp.maximum(ctx - 1, 0)
-    last_new = jnp.maximum(q_len - 1, 0)
-
-    last_entry = jnp.minimum(last_cached // page_size, pages_per_seq - 1)
+    mid_tile = jnp.clip(full_hi // block_n, lo_tile, hi_tile)
+    last_key = jnp.maximum(hi - 1, 0)
+    last_entry = jnp.minimum(last_key // page_size, pages_per_seq - 1)
 
     def page_id(entry):
         # page_table_ref is the int32 table seen as int16 pairs [B, 2 * PPS] (low half
-        # first): 16-bit scalar loads stay plain loads, where a 32-bit one would become
-        # an async copy that the loop waits for, with the K/V copies, before every tile
+        # first): 16-bit loads stay plain loads, where a 32-bit one would become an async
+        # copy that the loop waits for, with the K/V copies, before every tile
         lo = page_table_ref[b, 2 * entry].astype(jnp.int32) & 0xFFFF
         hi = page_table_ref[b, 2 * entry + 1].astype(jnp.int32)
         return lo | (hi << 16)
 
-    def load_cached(tile, pos):
-        # One [BN, H] tile of cached keys/values through the page table: each key's H
-        # values are contiguous in the pool (consecutive keys of one kv head are K * H
-        # apart), BN / PS page ids per tile.
+    def load_kv(tile, pos):
+        # One [BN, H] tile of keys/values through the page table: each key's H values
+        # are contiguous in the pool (consecutive keys of one kv head are K * H apart),
+        # BN / PS page ids per tile.
         first = tile * (block_n // page_size) if block_n >= page_size else (
             tile * block_n) // page_size
         page = page_id(jnp.minimum(first, last_entry))
@@ -137,16 +138,6 @@ def _kernel(page_table_ref, kv_lens_ref, q_lens_ref, q_ref, new_k_ref, new_v_ref
             page = jnp.where(pos >= (first + j) * page_size, page_j, page)
         row = (page * page_size + pos % page_size) * kv_heads + kh
         return k_ref[row, :], v_ref[row, :]
-
-    def load_mixed(tile, pos):
-        # Positions >= ctx from this call's tokens (past kv_len: the last one, masked
-        # out), the others from the pools (positions >= ctx there read the last cached
-        # key and are discarded by the select, so what the pools hold there is never used).
-        k_old, v_old = load_cached(tile, jnp.minimum(pos, last_cached))
-        new = (pos >= ctx) & (q_len > 0)
-        row = (b * t_len + jnp.clip(pos - ctx, 0, last_new)) * kv_heads + kh
-        k_new, v_new = new_k_ref[row, :], new_v_ref[row, :]
-        return (jnp.where(new[:, None], k_new, k_old), jnp.where(new[:, None], v_new, v_old))
 
     def update(carry, s, v, visible):
         # s: [BM, BN] raw scores; scores in log2 units are s * scale_log2
@@ -167,48 +158,57 @@ def _kernel(page_table_ref, kv_lens_ref, q_lens_ref, q_ref, new_k_ref, new_v_ref
         acc = acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v, precision=precision)
         return acc, m_new, l_new
 
-    def tile_positions(tile):
-        return tile * block_n + jnp.arange(block_n, dtype=jnp.int32)   # [BN]
-
-    def cached_tile(tile, carry):
-        k, v = load_cached(tile, tile_positions(tile))                 # all < ctx
+    def full_tile(tile, carry):
+        pos = tile * block_n + jnp.arange(block_n, dtype=jnp.int32)    # [BN], all < full_hi
+        k, v = load_kv(tile, pos)
         s = pltriton.dot(q, k, trans_b=True, precision=precision)     # [BM, BN]
         return update(carry, s, v, None)
 
-    def full_tile(tile, carry):
-        k, v = load_mixed(tile, tile_positions(tile))                  # all < full_hi
-        s = pltriton.dot(q, k, trans_b=True, precision=precision)
-        return update(carry, s, v, None)
-
     def edge_tile(tile, carry):
-        pos = tile_positions(tile)
-        k, v = load_mixed(tile, pos)
+        pos = tile * block_n + jnp.arange(block_n, dtype=jnp.int32)
+        # positions past hi read the last key read (masked out below)
+        k, v = load_kv(tile, jnp.minimum(pos, last_key))
         s = pltriton.dot(q, k, trans_b=True, precision=precision)
-        visible = pos[None, :] < kv_len
-        if causal:
+        visible = pos[None, :] < hi
+        if causal and not fused:
             visible = visible & (pos[None, :] <= q_pos[:, None])
         return update(carry, s, v, visible)
 
-    head_dim = q.shape[-1]
     carry = (jnp.zeros((block_m, head_dim), jnp.float32),
              jnp.full((block_m,), MASK_VALUE, jnp.float32),
              jnp.zeros((block_m,), jnp.float32))
-    carry = lax.fori_loop(lo_tile, cache_tile, cached_tile, carry)
-    carry = lax.fori_loop(cache_tile, mid_tile, full_tile, carry)
-    acc, m_i, l_i = lax.fori_loop(mid_tile, hi_tile, edge_tile, carry)
+    carry = lax.fori_loop(lo_tile, mid_tile, full_tile, carry)
+    carry = lax.fori_loop(mid_tile, hi_tile, edge_tile, carry)
+
+    if fused:
+        # This call's keys, one block of TP >= T keys straight from new_k/new_v, attended
+        # by the last split only (the other splits mask it out: no branch).
+        t_pad = max(16, _next_pow2(t_len))
+        t_idx = jnp.arange(t_pad, dtype=jnp.int32)
+        real = t_idx < q_len                                           # [TP]
+        row = (b * t_len + jnp.minimum(t_idx, jnp.maximum(q_len - 1, 0))) * kv_heads + kh
+        # zeros where no token is: padding tokens may hold anything, 0 * NaN is NaN
+        k = jnp.where(real[:, None], new_k_ref[row, :], 0)
+        v = jnp.where(real[:, None], new_v_ref[row, :], 0)
+        s = pltriton.dot(q, k, trans_b=True, precision=precision)     # [BM, TP]
+        visible = real[None, :] & (split == num_splits - 1)
+        if causal:
+            visible = visible & ((ctx + t_idx)[None, :] <= q_pos[:, None])
+        carry = update(carry, s, v, visible)
+    acc, m_i, l_i = carry
     o_ref[...] = acc
     m_ref[...] = m_i
     l_ref[...] = l_i
 
-    if write_tokens:
+    if fused:
         # The last program of each (row, kv head) writes this call's q_len tokens into
         # the pools, at positions ctx.. (no program reads the pools there).
         @pl.when((mt == m_tiles - 1) & (split == num_splits - 1))
         def _write():
             chunk = min(_next_pow2(t_len), WRITE_CHUNK)
+            cols = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
             for start in range(0, t_len, chunk):
                 t_idx = start + jnp.arange(chunk, dtype=jnp.int32)
-                valid = t_idx < q_len
                 pos = ctx + t_idx
                 entry = jnp.clip(pos // page_size, 0, pages_per_seq - 1)
                 page = ((page_table_ref[b, 2 * entry].astype(jnp.int32) & 0xFFFF)
@@ -217,8 +217,7 @@ def _kernel(page_table_ref, kv_lens_ref, q_lens_ref, q_ref, new_k_ref, new_v_ref
                 src = (b * t_len + jnp.minimum(t_idx, t_len - 1)) * kv_heads + kh
                 # [chunk, H] element indices: a masked scatter (interpret mode wants
                 # every index an array)
-                cols = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
-                keep = jnp.broadcast_to(valid[:, None], (chunk, head_dim))
+                keep = jnp.broadcast_to((t_idx < q_len)[:, None], (chunk, head_dim))
                 for src_ref, dst_ref in ((new_k_ref, k_out_ref), (new_v_ref, v_out_ref)):
                     pltriton.store(dst_ref.at[dst[:, None], cols], src_ref[src, :], mask=keep)
 
@@ -284,8 +283,8 @@ def ragged_paged_attention_gpu(q, new_k, new_v, k_pages, v_pages, page_table, kv
     m_tiles = -(-m // block_m)
     m_pad = m_tiles * block_m
 
-    write_tokens = fused_write and t <= FUSED_WRITE_MAX_T
-    if not write_tokens:
+    fused = fused_write and t <= FUSED_WRITE_MAX_T
+    if not fused:
         k_pages, v_pages = write_new_tokens(new_k, new_v, k_pages, v_pages, page_table,
                                             kv_lens, q_lens)
     # [B, 2 * PPS] int16: each page id as (low, high) halves
@@ -304,8 +303,8 @@ def ragged_paged_attention_gpu(q, new_k, new_v, k_pages, v_pages, page_table, kv
         _kernel, page_size=page_size, kv_heads=kv_heads, group=group, t_len=t,
         block_m=block_m, block_n=block_n, m_tiles=m_tiles, causal=mask == "causal",
         scale_log2=default_scale(sm_scale, h) * LOG2E, precision=precision,
-        write_tokens=write_tokens)
-    if not write_tokens:     # the pools are inputs only: no outputs to write them through
+        fused=fused)
+    if not fused:     # the pools are inputs only: no outputs to write them through
         kernel = functools.partial(_no_pool_outputs, kernel)
     whole = pl.no_block_spec
     partial_spec = lambda *tail: pl.BlockSpec(
@@ -317,7 +316,7 @@ def ragged_paged_attention_gpu(q, new_k, new_v, k_pages, v_pages, page_table, kv
         jax.ShapeDtypeStruct((b, kv_heads, num_splits, m_pad), jnp.float32),
         jax.ShapeDtypeStruct((b, kv_heads, num_splits, m_pad), jnp.float32),
     ]
-    if write_tokens:         # the pools, written in place (aliased to inputs 6 and 7)
+    if fused:                # the pools, written in place (aliased to inputs 6 and 7)
         out_specs += [whole, whole]
         out_shape += [jax.ShapeDtypeStruct(k_flat.shape, k_flat.dtype)] * 2
     outs = pl.pallas_call(
@@ -326,13 +325,13 @@ def ragged_paged_attention_gpu(q, new_k, new_v, k_pages, v_pages, page_table, kv
         in_specs=[whole] * 8,
         out_specs=out_specs,
         out_shape=out_shape,
-        input_output_aliases={6: 3, 7: 4} if write_tokens else {},
+        input_output_aliases={6: 3, 7: 4} if fused else {},
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention",
     )(pt16, kv_lens, q_lens, q_flat, new_k_flat, new_v_flat, k_flat, v_flat)
     o, m_max, l_sum = outs[:3]
-    if write_tokens:
+    if fused:
         k_pages = outs[3].reshape(k_pages.shape)
         v_pages = outs[4].reshape(v_pages.shape)
 
