@@ -78,6 +78,9 @@ def main(argv=None):
     p.add_argument("--blocks", type=int, default=32)
     p.add_argument("--target-attention", default="auto", choices=("auto", "xla", "cudnn"),
                    help="the frozen target's attention (target.attention)")
+    p.add_argument("--candidates", default="logits", choices=("logits", "kernel"),
+                   help="loss.candidates: the DSpine refinement's top-k from the logits or "
+                        "from vocab_top_k of the hidden states")
     p.add_argument("--out", default=None)
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="trace the run and list the N costliest operations per step")
@@ -95,6 +98,7 @@ def main(argv=None):
         cfg = from_dict({
             "target": {"name": args.target, "attention": args.target_attention},
             "drafter": {"kind": args.kind, "layers": args.layers, "mask_token_id": 1},
+            "loss": {"candidates": args.candidates},
             "data": {"path": str(data), "seq_len": args.seq_len, "blocks_per_seq": args.blocks},
             "run": {"out": str(Path(tmp) / "run"), "steps": args.steps + 1,
                     "batch_size": args.batch, "log_every": log_every,
@@ -111,7 +115,7 @@ def main(argv=None):
             rows = list(csv.DictReader(f))
     last = rows[-1]
     result = dict(target=args.target, kind=args.kind, layers=args.layers, batch=args.batch,
-                  target_attention=args.target_attention,
+                  target_attention=args.target_attention, candidates=args.candidates,
                   seq_len=args.seq_len, blocks_per_seq=args.blocks,
                   tokens_per_s=float(last["tokens_per_s"]),
                   mfu=float(last["mfu"]) if last.get("mfu") else None,

@@ -25,6 +25,7 @@ from dspine_jax.errors import ConfigError
 from dspine_jax.sampling import top_k_indices
 
 BACKBONE_LOSSES = ("ce", "ce+l1")
+CANDIDATE_SOURCES = ("logits", "kernel")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,11 @@ class LossConfig:
     ce_weight: float = 0.1             # ce_weight * CE + (1 - ce_weight) * L1
     refinement: bool | None = None     # decoding-head loss; None: when the head is on
     top_k: int | None = None           # refinement candidates; None: the drafter's top_k
+    # where the refinement's candidates come from: "logits", a top-k of the [B, n, K, V]
+    # logits the loss already holds; "kernel", `vocab_top_k` of the final hidden states
+    # against the output embedding (the decode pass's op: on a GPU a Pallas kernel that
+    # recomputes the products tile by tile and never reads the logits)
+    candidates: str = "logits"
     candidate_mass_threshold: float = 1e-4
     alignment: bool = True             # [switch] layer-wise output-embedding supervision
     alignment_weight: float = 0.5      # beta (DSpine only)
@@ -53,6 +59,9 @@ class LossConfig:
         if self.backbone is not None and self.backbone not in BACKBONE_LOSSES:
             raise ConfigError(f"loss.backbone must be one of {BACKBONE_LOSSES}, "
                               f"got {self.backbone!r}")
+        if self.candidates not in CANDIDATE_SOURCES:
+            raise ConfigError(f"loss.candidates must be one of {CANDIDATE_SOURCES}, "
+                              f"got {self.candidates!r}")
         if self.gamma is not None and not self.gamma > 0:
             raise ConfigError(f"loss.gamma must be positive, got {self.gamma!r}")
         for name in ("ce_weight", "replacement_probability", "replacement_hold_ratio",
@@ -153,7 +162,8 @@ def drafter_loss(config: LossConfig, drafter: BlockDrafter, out: DraftOutput, la
     metrics["coverage"] = _mean_over(label_in, supervised, total)
 
     if config.refinement:
-        candidates = top_k_indices(frozen, num_candidates)             # [B, n, K, C]
+        candidates = refinement_candidates(config.candidates, frozen, out.hidden,
+                                           output_embedding, num_candidates)  # [B,n,K,C]
         rows = jnp.take(output_embedding, candidates, axis=0)          # [B, n, K, C, D]
         scores = drafter.transition_scores(out.pre_injection, teacher_tokens[..., None],
                                            rows, output_embedding)[..., 0, :]  # [B,n,K,C]
@@ -189,6 +199,20 @@ def drafter_loss(config: LossConfig, drafter: BlockDrafter, out: DraftOutput, la
     if out.gates is not None:  # equal-sized shards: the mean of the devices' means
         metrics["gate_mean"] = total(jnp.mean(out.gates)) / total(1.0)
     return share, metrics
+
+
+def refinement_candidates(source: str, frozen_logits, hidden, output_embedding, c: int):
+    """[B, n, K, C] int32 the top-C ids of each slot's logits, value descending: from the
+    logits themselves ("logits") or recomputed from hidden [B, n, K, D] by `vocab_top_k`
+    ("kernel"; the same products, so the same ids up to float32 summation order)."""
+    if source == "logits":
+        return top_k_indices(frozen_logits, c)
+    from pallas_kernels.dspine_proposal import vocab_top_k
+
+    lead, d = hidden.shape[:-1], hidden.shape[-1]
+    _, ids = vocab_top_k(jax.lax.stop_gradient(hidden).reshape(-1, d),
+                         jax.lax.stop_gradient(output_embedding), c)
+    return ids.reshape(*lead, c)
 
 
 def _mean_over(values, mask, total=lambda x: x):

@@ -151,8 +151,17 @@ def numpy_walk(table, temperature=0.0, top_p=1.0, top_k=0, choices=None):
     return pick, qs
 
 
+@pytest.fixture(params=["steps", "all"])
+def walk_mode(request, monkeypatch):
+    """Both ways a sampled walk draws (DSPINE_CHAIN_WALK), traced afresh."""
+    monkeypatch.setenv("DSPINE_CHAIN_WALK", request.param)
+    jax.clear_caches()
+    yield request.param
+    jax.clear_caches()
+
+
 @pytest.mark.parametrize("sampling", [(0.0, 1.0, 0), (1.0, 1.0, 0), (0.8, 0.9, 4)])
-def test_walk_matches_float64(sampling):
+def test_walk_matches_float64(sampling, walk_mode):
     t, p, k = sampling
     table = jnp.asarray(np.random.default_rng(2).standard_normal((3, 5, 6, 6)) * 2,
                         jnp.float32)
@@ -163,6 +172,29 @@ def test_walk_matches_float64(sampling):
     np.testing.assert_array_equal(choice, pick)
     np.testing.assert_allclose(q, want_q, atol=1e-6)
     assert np.all(np.take_along_axis(np.asarray(q), np.asarray(choice)[..., None], -1) > 0)
+
+
+def test_sampled_walk_draws_the_chain(walk_mode):
+    """Slot 2's pick depends on slot 1's: the joint of the two picks over 6,000 rows (one
+    key each) against the float64 chain q_1(a) * q_2(b | a), by chi-square."""
+    from tests.test_engine import chi2_pvalue
+
+    n, c = 6000, 4
+    rows = np.random.default_rng(7).standard_normal((1, 2, c, c)) * 1.5
+    table = jnp.asarray(np.repeat(rows, n, 0), jnp.float32)
+    full = lambda x, dt: jnp.full((n,), x, dt)  # noqa: E731
+    keys = jax.vmap(jax.random.key)(jnp.arange(n))
+    choice, q = walk_chain(table, full(1.0, jnp.float32), full(1.0, jnp.float32),
+                           full(0, jnp.int32), keys, greedy=False)
+    choice = np.asarray(choice)
+    first = reference_probs(rows[0, 0, 0], 1.0, 1.0, 0)
+    joint = np.stack([first[a] * reference_probs(rows[0, 1, a], 1.0, 1.0, 0)
+                      for a in range(c)])
+    counts = np.zeros((c, c))
+    np.add.at(counts, (choice[:, 0], choice[:, 1]), 1)
+    assert chi2_pvalue(counts, joint) > 1e-4
+    np.testing.assert_allclose(np.asarray(q)[:, 1], np.stack(
+        [reference_probs(rows[0, 1, a], 1.0, 1.0, 0) for a in choice[:, 0]]), atol=1e-6)
 
 
 @pytest.mark.parametrize("implementation", INTERPRETED)
@@ -195,7 +227,7 @@ SETTINGS = [dict(temperature=0.0), dict(temperature=1.0),
 
 @pytest.mark.parametrize("kind", ["dflash", "dspine"])
 @pytest.mark.parametrize("setting", SETTINGS, ids=["T0", "T1", "T0.8-p0.9-k6"])
-def test_sparse_proposal_equals_dense(kind, setting):
+def test_sparse_proposal_equals_dense(kind, setting, walk_mode):
     from dspine_jax.drafters.model import DraftOutput
     from dspine_jax.sampling import SamplingParams
 

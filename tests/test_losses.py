@@ -13,8 +13,10 @@ from flax import nnx
 
 from dspine_jax.drafters.blocks import block_labels, sample_anchors, target_slot_logits
 from dspine_jax.drafters.model import DraftOutput
+from dspine_jax.errors import ConfigError
 from dspine_jax.losses import (LossConfig, alignment_scale, drafter_loss, label_rank,
-                               slot_metrics, slot_weights, teacher_replacement_probability)
+                               refinement_candidates, slot_metrics, slot_weights,
+                               teacher_replacement_probability)
 from tests.test_drafters import ANCHORS, K, TARGET, TOKENS, features, make
 
 
@@ -238,6 +240,41 @@ def test_refinement_and_alignment_terms_match_reference(target):
     mis = (1 - cos).sum(0)
     assert float(m["alignment"]) == pytest.approx((mis * w).sum() / w.sum(), rel=1e-4)
     assert float(m["coverage"]) == pytest.approx((hit.any(-1) * sp).sum() / sp.sum())
+
+
+def test_kernel_candidates_are_the_logits_top_k(target, monkeypatch):
+    """loss.candidates = "kernel": vocab_top_k of the final hidden states gives the ids
+    lax.top_k gives on the logits the loss holds (the xla path here; then the GPU kernel
+    in interpret mode), so the whole DSpine loss is unchanged."""
+    drafter = make(target, "dspine")
+    feats, anchors, labels, sup, tlogits, teacher = dspine_batch(target, drafter)
+    e_out = target.output_embedding()
+    out = drafter.forward_train(TOKENS, feats, anchors, target.input_embedding(), e_out)
+    want = np.asarray(jax.lax.top_k(out.logits, 6)[1])
+    got = refinement_candidates("kernel", out.logits, out.hidden, e_out, 6)
+    np.testing.assert_array_equal(got, want)
+
+    import importlib
+
+    proposal = importlib.import_module("pallas_kernels.dspine_proposal")
+    vocab_top_k = proposal.vocab_top_k
+    interpreted = lambda h, w, k: vocab_top_k(  # noqa: E731
+        h, w, k, implementation="pallas_gpu", interpret=True)
+    monkeypatch.setattr(proposal, "vocab_top_k", interpreted)
+    got = refinement_candidates("kernel", out.logits, out.hidden, e_out, 6)
+    np.testing.assert_array_equal(got, want)
+    monkeypatch.undo()
+
+    def loss(source):
+        config = LossConfig(gamma=7.0, backbone="ce+l1", refinement=True, top_k=4,
+                            candidates=source)
+        return drafter_loss(config, drafter, out, labels, sup, target_logits=tlogits,
+                            teacher_tokens=teacher, output_embedding=e_out, step=5)
+
+    (a, ma), (b, mb) = loss("logits"), loss("kernel")
+    assert float(a) == float(b) and float(ma["refinement"]) == float(mb["refinement"])
+    with pytest.raises(ConfigError, match="loss.candidates"):
+        LossConfig(candidates="sorted")
 
 
 def test_gradients_reach_only_trainable_parameters(target):

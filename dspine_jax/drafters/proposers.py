@@ -31,7 +31,7 @@ from dspine_jax import row_keys
 from dspine_jax.drafters import DEFAULT_PROPOSAL_KERNEL, PROPOSALS
 from dspine_jax.sampling import SamplingParams, top_k_indices
 from dspine_jax.speculative.propose import (CandidateProposal, Proposal, SplicedProposal,
-                                            sample_dense, sample_marginal, scan_slots,
+                                            sample_dense, sample_marginal, walk_chain,
                                             walk_chain_with_tail)
 
 PROPOSAL_IMPLS = PROPOSALS
@@ -150,21 +150,11 @@ class ChainProposer:
         """`sampling`: the chain's own warp (`chain_sampling`)."""
         candidates, table = self._table(out, anchor, output_embedding)
         b, s, _ = candidates.shape
-        vocab = output_embedding.shape[0]
-
-        def step(pred_index, inputs):
-            scores, cands, key = inputs                                   # [B, C, C], [B, C]
-            given = jnp.take_along_axis(scores, pred_index[:, None, None], 1)[:, 0]
-            choice, probs = sample_dense(given, sampling, key)
-            token = jnp.take_along_axis(cands, choice[:, None], 1)[:, 0]
-            q = jnp.zeros((b, vocab), jnp.float32).at[jnp.arange(b)[:, None], cands].set(probs)
-            return choice, (token, q)
-
-        keys = row_keys.split(rng, s)                                     # [S] or [S, B]
-        start = jnp.zeros((b,), jnp.int32)                                # the anchor
-        _, (tokens, q) = scan_slots(step, start, (jnp.moveaxis(table, 1, 0),
-                                                  jnp.moveaxis(candidates, 1, 0), keys))
-        return Proposal(tokens=jnp.moveaxis(tokens, 0, 1), q=jnp.moveaxis(q, 0, 1))
+        tokens, _, q_c = walk_chain(table, candidates, sampling, rng)    # q_c [B, S, C]
+        q = jnp.zeros((b, s, output_embedding.shape[0]), jnp.float32)
+        q = q.at[jnp.arange(b)[:, None, None], jnp.arange(s)[None, :, None],
+                 candidates].set(q_c)
+        return Proposal(tokens=tokens, q=q)
 
 
 def proposer_for(drafter, impl: str = "sparse",

@@ -39,6 +39,8 @@ from dspine_jax import row_keys
 from dspine_jax.sampling import (SamplingParams, first_argmax, greedy_rows_argmax,
                                  sample_categorical, warp_logits, warp_stats,
                                  warped_probability)
+from pallas_kernels.dspine_proposal.reference import (follow_chain, predecessor_rows,
+                                                       walk_at_once)
 
 
 def _pick_row(x: jax.Array, n: jax.Array) -> jax.Array:
@@ -213,19 +215,24 @@ def walk_chain(table: jax.Array, candidates: jax.Array, sampling: SamplingParams
     table [B, S, C, C]: slot i's scores of its candidates (last axis) given each candidate
     of slot i-1 (slot 0: given the anchor, every row the same); candidates [B, S, C].
     At T = 0 the best-scoring successor, else a draw from softmax(warp(scores)) over the C
-    candidates. Returns (tokens [B, S], choice [B, S] candidate index, q [B, S, C])."""
-    b = table.shape[0]
+    candidates; drawn as `pallas_kernels.dspine_proposal.walk_chain` draws (every pick at
+    once, then followed, or slot by slot: `walk_at_once`). Returns (tokens [B, S],
+    choice [B, S] candidate index, q [B, S, C])."""
+    if sampling.all_greedy or walk_at_once():
+        picks, probs = sample_dense(table, sampling, rng)               # [B, S, C], [.., C]
+        choice = follow_chain(picks)
+        q = predecessor_rows(probs, choice)
+    else:
+        def step(pred_index, inputs):
+            scores, key = inputs                                        # [B, C, C]
+            given = jnp.take_along_axis(scores, pred_index[:, None, None], 1)[:, 0]
+            choice, probs = sample_dense(given, sampling, key)
+            return choice, (choice, probs)
 
-    def step(pred_index, inputs):
-        scores, key = inputs                                            # [B, C, C]
-        given = jnp.take_along_axis(scores, pred_index[:, None, None], 1)[:, 0]  # [B, C]
-        choice, probs = sample_dense(given, sampling, key)
-        return choice, (choice, probs)
-
-    keys = row_keys.split(rng, table.shape[1])                          # [S] or [S, B]
-    start = jnp.zeros((b,), jnp.int32)                                  # the anchor
-    _, (choice, q) = scan_slots(step, start, (jnp.moveaxis(table, 1, 0), keys))
-    choice, q = jnp.moveaxis(choice, 0, 1), jnp.moveaxis(q, 0, 1)
+        keys = row_keys.split(rng, table.shape[1])                      # [S] or [S, B]
+        start = jnp.zeros((table.shape[0],), jnp.int32)                 # the anchor
+        _, (choice, q) = scan_slots(step, start, (jnp.moveaxis(table, 1, 0), keys))
+        choice, q = jnp.moveaxis(choice, 0, 1), jnp.moveaxis(q, 0, 1)
     tokens = jnp.take_along_axis(candidates, choice[..., None], -1)[..., 0]
     return tokens, choice, q
 

@@ -11,8 +11,8 @@ pallas_tpu on TPU and xla elsewhere.
 
 `dspine_proposal(...)`: the whole DSpine decoding head: `vocab_top_k` of the slots' final
 hidden states (the kernel), then the transition table of every adjacent candidate pair and
-the walk from the anchor (plain JAX on [B, S, C, C]: C x C is tiny, and a scan of S steps
-over [B, C] arrays; not fused into the kernel).
+the walk from the anchor (plain JAX on [B, S, C, C]: every slot's pick given every
+predecessor at once, then S gathers of one index per row; not fused into the kernel).
 """
 
 from __future__ import annotations
@@ -25,11 +25,12 @@ import jax.numpy as jnp
 from .common import IMPLEMENTATIONS, check_inputs
 from ..platform import backend_implementation
 from ..top_k import top_k
-from .reference import (TransitionWeights, transition_table, vocab_logits,
-                        vocab_top_k_reference, walk_chain, warp_small)
+from .reference import (TransitionWeights, follow_chain, predecessor_rows, transition_table,
+                        vocab_logits, vocab_top_k_reference, walk_chain, warp_small)
 
 __all__ = ["vocab_top_k", "vocab_top_k_reference", "dspine_proposal", "TransitionWeights",
-           "transition_table", "walk_chain", "warp_small", "IMPLEMENTATIONS"]
+           "transition_table", "walk_chain", "warp_small", "follow_chain", "predecessor_rows",
+           "IMPLEMENTATIONS"]
 
 
 def vocab_top_k_xla(hidden, weight, k: int):

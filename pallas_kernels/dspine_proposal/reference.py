@@ -17,6 +17,7 @@ B batch, S drafted slots, C candidates, D hidden, r transfer rank, m message wid
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import jax
@@ -92,52 +93,106 @@ def transition_table(pre_injection, predecessors, candidate_rows, output_embeddi
 
 
 def warp_small(logits, temperature, top_p, top_k):
-    """warp_logits for a short last axis: logits [B, C] -> scaled, -inf outside the
-    top-k / top-p set (temperature 0 rows scaled by 1)."""
+    """warp_logits for a short last axis: logits [B, ..., C] -> scaled, -inf outside the
+    top-k / top-p set (temperature 0 rows scaled by 1); settings [B]."""
     c = logits.shape[-1]
-    scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    per_row = lambda x: x.reshape(x.shape + (1,) * (logits.ndim - 1))  # noqa: E731
+    scaled = logits.astype(jnp.float32) / per_row(jnp.where(temperature > 0, temperature, 1.0))
     sorted_desc = -jnp.sort(-scaled, axis=-1)
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, c), c)[:, None]
+    k = per_row(jnp.where(top_k > 0, jnp.minimum(top_k, c), c))
     rank = jnp.arange(c)
     sorted_desc = jnp.where(rank < k, sorted_desc, -jnp.inf)
     probs = jax.nn.softmax(sorted_desc, axis=-1)
-    keep = ((jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]) & (rank < k)
+    keep = ((jnp.cumsum(probs, axis=-1) - probs) < per_row(top_p)) & (rank < k)
     n_keep = jnp.maximum(jnp.sum(keep, axis=-1, keepdims=True), 1)
     threshold = jnp.take_along_axis(sorted_desc, n_keep - 1, axis=-1)
     return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
+def follow_chain(choices):
+    """choices [B, S, C] int32: slot i's pick given each candidate of slot i-1 (slot 0's
+    rows all given the anchor) -> [B, S] the picks along the walk from the anchor (row 0).
+    S dependent gathers of one index per row and nothing else, so XLA fuses the walk."""
+    b, s, _ = choices.shape
+    pred = jnp.zeros((b,), jnp.int32)
+    picked = []
+    for i in range(s):
+        pred = jnp.take_along_axis(choices[:, i], pred[:, None], 1)[:, 0]
+        picked.append(pred)
+    return jnp.stack(picked, 1)
+
+
+def predecessor_rows(rows, choice):
+    """rows [B, S, C, X] (one row per predecessor candidate), choice [B, S] the walk ->
+    [B, S, X]: each slot's row for the predecessor the walk took (slot 0: row 0)."""
+    pred = jnp.concatenate([jnp.zeros_like(choice[:, :1]), choice[:, :-1]], 1)
+    return jnp.take_along_axis(rows, pred[:, :, None, None], 2)[:, :, 0]
+
+
+def walk_at_once() -> bool:
+    """How a sampled `walk_chain` draws: every slot's pick given every predecessor at once,
+    or slot by slot. On GPUs at once: each step of a slot-by-slot walk is a dozen small
+    kernels (sort, softmax, cumsum, draw), 15 steps in sequence. On CPUs slot by slot:
+    there the work counts, and warping C times as many rows made a sampled walk 1.9x
+    (batch 1) to 6.4x (batch 8) slower. DSPINE_CHAIN_WALK=all|steps overrides. Both are
+    exact; their draws differ. Greedy walks always go at once (the same picks)."""
+    mode = os.environ.get("DSPINE_CHAIN_WALK", "auto")
+    if mode not in ("auto", "all", "steps"):
+        raise ValueError(f"DSPINE_CHAIN_WALK must be auto, all or steps, got {mode!r}")
+    return mode == "all" or (mode == "auto" and jax.default_backend() == "gpu")
+
+
 def walk_chain(table, temperature, top_p, top_k, rng, *, greedy: bool):
     """table [B, S, C, C] (row: the predecessor candidate; slot 0's rows all given the
     anchor) -> (choice [B, S] candidate index, q [B, S, C]). Start at row 0 (the anchor);
-    each slot takes the row of the chosen predecessor. greedy (static): every row argmax.
-    rng: one key, or [B] keys (row b draws from key b only)."""
-    b, s, c, _ = table.shape
+    each slot takes the row of the chosen predecessor: argmax at T = 0, else a draw from
+    the warped softmax. greedy (static): every row argmax. rng: one key, or [B] keys (row
+    b draws from key b only).
+
+    At once (`walk_at_once`): one warp and one draw over [B, S, C, C], each table row
+    with its own noise, then `follow_chain` walks the picks. Each pick the walk takes was
+    drawn from its own row with noise no other taken pick used, so the chain has exactly
+    the slot-by-slot distribution."""
+    c = table.shape[-1]
+    if greedy:
+        choice = follow_chain(jnp.argmax(table, -1).astype(jnp.int32))
+        return choice, jax.nn.one_hot(choice, c, dtype=jnp.float32)
+    if walk_at_once():
+        picks, probs = _sample_rows(table, temperature, top_p, top_k, rng)
+        choice = follow_chain(picks)
+        return choice, predecessor_rows(probs, choice)
 
     def step(pred_index, inputs):
         scores, key = inputs
         given = jnp.take_along_axis(scores, pred_index[:, None, None], 1)[:, 0]  # [B, C]
-        best = jnp.argmax(given, -1).astype(jnp.int32)
-        hot_best = jax.nn.one_hot(best, c, dtype=jnp.float32)
-        if greedy:
-            return best, (best, hot_best)
-        warped = warp_small(given, temperature, top_p, top_k)
-        if key.ndim == 0:
-            drawn = jax.random.categorical(key, warped, axis=-1).astype(jnp.int32)
-        else:   # one key per row: a row's draw does not depend on the batch
-            drawn = jax.vmap(lambda k, x: jax.random.categorical(k, x))(key, warped)
-            drawn = drawn.astype(jnp.int32)
-        hot = (temperature > 0)[:, None]
-        choice = jnp.where(hot[:, 0], drawn, best)
-        q = jnp.where(hot, jax.nn.softmax(warped, -1), hot_best)
+        choice, q = _sample_rows(given, temperature, top_p, top_k, key)
         return choice, (choice, q)
 
+    s = table.shape[1]
     if rng.ndim == 0:
         keys = jax.random.split(rng, s)                                 # [S]
     else:
         keys = jnp.swapaxes(jax.vmap(lambda k: jax.random.split(k, s))(rng), 0, 1)  # [S, B]
     # Unrolled: S is small and static, and a GPU while loop waits on the host for its
     # predicate at every step (S round trips per pass).
-    _, (choice, q) = jax.lax.scan(step, jnp.zeros((b,), jnp.int32),
+    _, (choice, q) = jax.lax.scan(step, jnp.zeros((table.shape[0],), jnp.int32),
                                   (jnp.moveaxis(table, 1, 0), keys), unroll=True)
     return jnp.moveaxis(choice, 0, 1), jnp.moveaxis(q, 0, 1)
+
+
+def _sample_rows(scores, temperature, top_p, top_k, rng):
+    """scores [B, ..., C] -> (picks [B, ...] int32, probs [B, ..., C]): per row b the
+    argmax and its one-hot at temperature 0, else a draw from the warped softmax and that
+    softmax. rng: one key, or [B] keys."""
+    c = scores.shape[-1]
+    best = jnp.argmax(scores, -1).astype(jnp.int32)
+    warped = warp_small(scores, temperature, top_p, top_k)
+    if rng.ndim == 0:
+        drawn = jax.random.categorical(rng, warped, axis=-1)
+    else:   # one key per row: a row's draws do not depend on the batch
+        drawn = jax.vmap(lambda k, x: jax.random.categorical(k, x, axis=-1))(rng, warped)
+    hot = (temperature > 0).reshape((-1,) + (1,) * (scores.ndim - 2))
+    picks = jnp.where(hot, drawn.astype(jnp.int32), best)
+    probs = jnp.where(hot[..., None], jax.nn.softmax(warped, -1),
+                      jax.nn.one_hot(best, c, dtype=jnp.float32))
+    return picks, probs
