@@ -187,6 +187,12 @@ def test_gpu_kernel_configs_interpreted(config):
     check_case("pallas_gpu", True, case_id, CASES[case_id], kernel_kw=kw)
 
 
+@pytest.mark.parametrize("case_id", range(len(CASES)), ids=[c[0] for c in CASES])
+def test_gpu_kernel_combine_kernel_interpreted(case_id):
+    """The split-K partials merged and laid out by `_combine_kernel` instead of XLA."""
+    check_case("pallas_gpu", True, case_id, CASES[case_id], kernel_kw=dict(combine="kernel"))
+
+
 def test_gpu_kernel_page_larger_than_key_tile_interpreted():
     check_case("pallas_gpu", True, 1, LONG_PAGE_CASE, kernel_kw=dict(block_n=32))
 
@@ -209,6 +215,13 @@ def test_gpu_kernel_configs_compiled(config):
     _needs_cuda()
     case_id, kw = GPU_CONFIGS[config]
     check_case("pallas_gpu", False, case_id, CASES[case_id], kernel_kw=kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case_id", range(len(CASES)), ids=[c[0] for c in CASES])
+def test_gpu_kernel_combine_kernel_compiled(case_id):
+    _needs_cuda()
+    check_case("pallas_gpu", False, case_id, CASES[case_id], kernel_kw=dict(combine="kernel"))
 
 
 @pytest.mark.gpu

@@ -9,7 +9,10 @@ is loaded once for all of them; at M >= 64 (verify/draft) the matmuls are Hopper
 The grid is (B, K * ceil(M / BM), S): flash-decoding splits each row's key range over S
 programs (default_config: at least two programs per multiprocessor, up to four for wide
 query tiles), each program runs an online softmax over its key tiles and writes an
-unnormalised partial (acc, max, sum); a small XLA combine merges the S partials.
+unnormalised partial (acc, max, sum); a small XLA combine merges the S partials and lays
+them out as [B, T, N, H] (two or three fusions), or, with combine="kernel"
+(DSPINE_RPA_COMBINE=kernel), one small Pallas kernel does both (`_combine_kernel`: one
+program per (row, kv head, query tile), an online merge over the splits).
 
 Keys. A tile of BN keys is gathered through the page table: BN / PS page ids per tile
 (scalar loads), then each key's H values, which are contiguous in the pool (the keys of
@@ -64,6 +67,7 @@ DEFAULT_SM_COUNT = 132          # H100/H200 SXM
 # them; one program per (row, kv head) does, WRITE_CHUNK tokens per store.
 FUSED_WRITE_MAX_T = 64
 WRITE_CHUNK = 32
+COMBINES = ("xla", "kernel")
 
 
 def _next_pow2(x: int) -> int:
@@ -259,16 +263,23 @@ def default_config(b, t, n, h, kv_heads, page_size, pages_per_seq, dtype):
 def ragged_paged_attention_gpu(q, new_k, new_v, k_pages, v_pages, page_table, kv_lens,
                                q_lens, *, mask="causal", sm_scale=None, interpret=False,
                                block_m=None, block_n=None, num_splits=None, num_warps=None,
-                               num_stages=None, fused_write=None):
+                               num_stages=None, fused_write=None, combine=None):
     """The op on a GPU (arguments as `ragged_paged_attention`).
 
     fused_write: the kernel writes this call's tokens into the pools itself (at most
     FUSED_WRITE_MAX_T tokens per row; longer calls, prefill, are written by an XLA
-    scatter first); default True unless DSPINE_RPA_FUSED_WRITE=0. block_m .. num_stages
-    override `default_config`.
+    scatter first); default True unless DSPINE_RPA_FUSED_WRITE=0.
+    combine: how the S partials are merged and laid out as [B, T, N, H]: "xla" (XLA
+    fusions) or "kernel" (`_combine_kernel`, one small Pallas kernel); default
+    DSPINE_RPA_COMBINE, else "xla". block_m .. num_stages override `default_config`.
     """
     if fused_write is None:
         fused_write = os.environ.get("DSPINE_RPA_FUSED_WRITE", "1") != "0"
+    if combine is None:
+        combine = os.environ.get("DSPINE_RPA_COMBINE", "xla")
+    if combine not in COMBINES:
+        raise ValueError(f"ragged_paged_attention: combine must be one of {COMBINES}, "
+                         f"got {combine!r}")
     b, t, n, h = q.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
     group = n // kv_heads
@@ -335,6 +346,10 @@ def ragged_paged_attention_gpu(q, new_k, new_v, k_pages, v_pages, page_table, kv
         k_pages = outs[3].reshape(k_pages.shape)
         v_pages = outs[4].reshape(v_pages.shape)
 
+    if combine == "kernel":
+        out = _combine_call(o, m_max, l_sum, q_lens, q.shape, m_tiles, block_m, q.dtype,
+                            interpret)
+        return out, k_pages, v_pages
     # Combine the S partials (log2 units): [B, K, S, M, H] -> [B, K, M, H]
     o, m_max, l_sum = o[:, :, :, :m], m_max[:, :, :, :m], l_sum[:, :, :, :m]
     m_all = m_max.max(axis=2, keepdims=True)
@@ -342,6 +357,61 @@ def ragged_paged_attention_gpu(q, new_k, new_v, k_pages, v_pages, page_table, kv
     l_all = (w * l_sum).sum(axis=2)
     out = (w[..., None] * o).sum(axis=2) / jnp.where(l_all > 0, l_all, 1.0)[..., None]
     return unpack_outputs(out, q.shape, q_lens, q.dtype), k_pages, v_pages
+
+
+def _combine_kernel(q_lens_ref, o_ref, m_ref, l_ref, out_ref, *, num_splits, group, t_len,
+                    n_heads, m_tiles, block_m):
+    """Program (b, kh * m_tiles + mt): merges the S partials of its BM packed rows (log2
+    units, an online merge over the splits) and stores them at their [B * T * N, H] rows,
+    zeros at padding queries (t >= q_lens[b]) and none for tile padding (m >= T * G)."""
+    b = pl.program_id(0)
+    kh = pl.program_id(1) // m_tiles
+    mt = pl.program_id(1) % m_tiles
+    head_dim = o_ref.shape[-1]
+
+    def merge(split, carry):
+        acc, m_run, l_run = carry
+        m_s, l_s = m_ref[split, :], l_ref[split, :]                    # [BM]
+        m_new = jnp.maximum(m_run, m_s)
+        alpha, w = jnp.exp2(m_run - m_new), jnp.exp2(m_s - m_new)
+        acc = acc * alpha[:, None] + o_ref[split, :, :] * w[:, None]
+        return acc, m_new, l_run * alpha + l_s * w
+
+    carry = (jnp.zeros((block_m, head_dim), jnp.float32),
+             jnp.full((block_m,), MASK_VALUE, jnp.float32), jnp.zeros((block_m,), jnp.float32))
+    acc, _, l_all = lax.fori_loop(0, num_splits, merge, carry)
+    out = acc / jnp.where(l_all > 0, l_all, 1.0)[:, None]
+    m_idx = mt * block_m + jnp.arange(block_m, dtype=jnp.int32)
+    tok = m_idx // group
+    out = jnp.where((tok < q_lens_ref[b])[:, None], out, 0.0).astype(out_ref.dtype)
+    # distinct rows for every lane, the masked ones too: interpret mode stores a masked
+    # lane by writing back what it read, which would undo a real lane's store to the same row
+    row = (b * t_len + tok) * n_heads + kh * group + m_idx % group
+    cols = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
+    keep = jnp.broadcast_to((tok < t_len)[:, None], (block_m, head_dim))
+    pltriton.store(out_ref.at[row[:, None], cols], out, mask=keep)
+
+
+def _combine_call(o, m_max, l_sum, q_lens, q_shape, m_tiles, block_m, dtype, interpret):
+    """Partials [B, K, S, M_pad(, H)] -> the op's output [B, T, N, H] in one kernel."""
+    b, t, n, h = q_shape
+    kv_heads, num_splits = o.shape[1], o.shape[2]
+    kernel = functools.partial(_combine_kernel, num_splits=num_splits, group=n // kv_heads,
+                               t_len=t, n_heads=n, m_tiles=m_tiles, block_m=block_m)
+    tile = lambda *tail: pl.BlockSpec(  # noqa: E731
+        (None, None, num_splits, block_m) + tail,
+        lambda i, j: (i, j // m_tiles, 0, j % m_tiles) + (0,) * len(tail))
+    out = pl.pallas_call(
+        kernel,
+        grid=(b, kv_heads * m_tiles),
+        in_specs=[pl.no_block_spec, tile(h), tile(), tile()],
+        out_specs=pl.no_block_spec,
+        out_shape=jax.ShapeDtypeStruct((b * t * n, h), dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="ragged_paged_attention_combine",
+    )(q_lens, o, m_max, l_sum)
+    return out.reshape(b, t, n, h)
 
 
 def _no_pool_outputs(kernel, *refs):
