@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from dspine_jax import row_keys
 from dspine_jax.drafters import DEFAULT_PROPOSAL_KERNEL, PROPOSALS
 from dspine_jax.sampling import SamplingParams, top_k_indices
 from dspine_jax.speculative.propose import (CandidateProposal, Proposal, SplicedProposal,

@@ -112,7 +112,8 @@ def warp_small(logits, temperature, top_p, top_k):
 def follow_chain(choices):
     """choices [B, S, C] int32: slot i's pick given each candidate of slot i-1 (slot 0's
     rows all given the anchor) -> [B, S] the picks along the walk from the anchor (row 0).
-    S dependent gathers of one index per row and nothing else, so XLA fuses the walk."""
+    S dependent gathers of one index per row, with no reduction between them for XLA to
+    launch apart."""
     b, s, _ = choices.shape
     pred = jnp.zeros((b,), jnp.int32)
     picked = []
