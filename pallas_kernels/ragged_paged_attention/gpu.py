@@ -217,11 +217,16 @@ def _kernel(page_table_ref, kv_lens_ref, q_lens_ref, q_ref, new_k_ref, new_v_ref
                 entry = jnp.clip(pos // page_size, 0, pages_per_seq - 1)
                 page = ((page_table_ref[b, 2 * entry].astype(jnp.int32) & 0xFFFF)
                         | (page_table_ref[b, 2 * entry + 1].astype(jnp.int32) << 16))
+                real = t_idx < q_len
                 dst = (page * page_size + pos % page_size) * kv_heads + kh
+                # masked lanes get distinct rows past the pool: never stored on a GPU, and
+                # interpret mode (which stores a masked lane by writing back what it read)
+                # drops them as out of range instead of undoing a real lane's store
+                dst = jnp.where(real, dst, k_out_ref.shape[0] + t_idx)
                 src = (b * t_len + jnp.minimum(t_idx, t_len - 1)) * kv_heads + kh
                 # [chunk, H] element indices: a masked scatter (interpret mode wants
                 # every index an array)
-                keep = jnp.broadcast_to((t_idx < q_len)[:, None], (chunk, head_dim))
+                keep = jnp.broadcast_to(real[:, None], (chunk, head_dim))
                 for src_ref, dst_ref in ((new_k_ref, k_out_ref), (new_v_ref, v_out_ref)):
                     pltriton.store(dst_ref.at[dst[:, None], cols], src_ref[src, :], mask=keep)
 
