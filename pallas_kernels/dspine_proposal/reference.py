@@ -136,8 +136,8 @@ def walk_at_once() -> bool:
     kernels (sort, softmax, cumsum, draw), 15 steps in sequence. On CPUs slot by slot:
     there the work counts, and warping C times as many rows made a sampled walk 1.2x
     (batch 1) to 6.8x (batch 8) slower (docs/benchmarks.md, `jax_kernels`'s chain_walk).
-    DSPINE_CHAIN_WALK=all|steps overrides. Both are
-    exact; their draws differ. Greedy walks always go at once (the same picks)."""
+    DSPINE_CHAIN_WALK=all|steps overrides. Both are exact; their draws differ. Greedy
+    walks always go at once (the same picks)."""
     mode = os.environ.get("DSPINE_CHAIN_WALK", "auto")
     if mode not in ("auto", "all", "steps"):
         raise ValueError(f"DSPINE_CHAIN_WALK must be auto, all or steps, got {mode!r}")

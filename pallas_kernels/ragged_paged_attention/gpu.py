@@ -214,9 +214,7 @@ def _kernel(page_table_ref, kv_lens_ref, q_lens_ref, q_ref, new_k_ref, new_v_ref
             for start in range(0, t_len, chunk):
                 t_idx = start + jnp.arange(chunk, dtype=jnp.int32)
                 pos = ctx + t_idx
-                entry = jnp.clip(pos // page_size, 0, pages_per_seq - 1)
-                page = ((page_table_ref[b, 2 * entry].astype(jnp.int32) & 0xFFFF)
-                        | (page_table_ref[b, 2 * entry + 1].astype(jnp.int32) << 16))
+                page = page_id(jnp.clip(pos // page_size, 0, pages_per_seq - 1))
                 real = t_idx < q_len
                 dst = (page * page_size + pos % page_size) * kv_heads + kh
                 # masked lanes get distinct rows past the pool: never stored on a GPU, and
