@@ -302,7 +302,7 @@ class BatchDecoder:
     def bucket_shape(self, prompts: Sequence[Sequence[int]],
                      max_new_tokens: int) -> tuple[int, int, int, int]:
         """(rows, padded prompt length, output buffer, cache capacity): the shape bucket a
-        request's programs are compiled for (with its sampling's greedy flag)."""
+        request's programs are compiled for (with its sampling's static flags)."""
         longest = max(len(p) for p in prompts)
         capacity = min(bucket(longest + max_new_tokens + self.extra_capacity),
                        self.config.max_position_embeddings)
@@ -330,8 +330,8 @@ class BatchDecoder:
         args = (params, tokens, lengths, page_table, sampling, budget, rng, ignore)
 
         t0 = time.perf_counter()
-        greedy = sampling.all_greedy  # greedy batches trace no sampling at all
-        shape = (b, capacity, num_pages, out_len, greedy)
+        # greedy batches trace no sampling at all, unfiltered ones no vocabulary threshold
+        shape = (b, capacity, num_pages, out_len, sampling.all_greedy, sampling.all_unfiltered)
         # the prefill builds the page pools itself: none is allocated until it runs
         prefill = self._compile(("prefill", prompt_len) + shape, self._prefill_batch,
                                 *args, num_pages, out_len, static=("num_pages", "out_len"))

@@ -26,6 +26,10 @@ class SamplingParams:
     # Static: every row is greedy, so no sort over the vocabulary is traced at all
     # (a batch compiles once per value of this flag).
     all_greedy: bool = struct.field(pytree_node=False, default=False)
+    # Static: no row filters (top_p >= 1 and top_k == 0 everywhere), so the warp is the
+    # temperature alone and no threshold (a sort of the vocabulary on a GPU) is traced.
+    # False is always correct; True is a promise about every row.
+    all_unfiltered: bool = struct.field(pytree_node=False, default=False)
 
     @classmethod
     def create(cls, batch_size: int, temperature: float = 0.0, top_p: float = 1.0,
@@ -33,7 +37,8 @@ class SamplingParams:
         validate_sampling(temperature, top_p, top_k)
         full = lambda v, dt: jnp.full((batch_size,), v, dt)  # noqa: E731
         return cls(full(temperature, jnp.float32), full(top_p, jnp.float32),
-                   full(top_k, jnp.int32), all_greedy=temperature == 0)
+                   full(top_k, jnp.int32), all_greedy=temperature == 0,
+                   all_unfiltered=top_p >= 1 and top_k == 0)
 
 
 def top_k_indices(x: jax.Array, k: int) -> jax.Array:
@@ -89,6 +94,8 @@ def warp_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
     Rows with temperature 0 are scaled by 1 (their sample is the argmax anyway).
     """
     scaled = scale_logits(logits, params)
+    if params.all_unfiltered:
+        return scaled
     return jnp.where(scaled >= _sorted_threshold(scaled, params), scaled, -jnp.inf)
 
 
@@ -112,7 +119,7 @@ def warp_threshold(scaled: jax.Array, params: SamplingParams,
 
     The same set as `warp_logits`, found without sorting the vocabulary:
     * rows without top-k/top-p (and greedy rows, whose warp is never used) get -inf with
-      no selection at all;
+      no selection at all (and nothing is traced when `params.all_unfiltered`);
     * the others take the top-m values (m = caps[0]; XLA's TopK, 1.3 ms for 16 x 49,152
       on 2 CPU cores where the sort takes 200 ms) and run warp_logits' cumulative rule on
       them, which decides the set unless the kept set (or an active top-k) is longer;
@@ -129,6 +136,8 @@ def warp_threshold(scaled: jax.Array, params: SamplingParams,
     nd = scaled.ndim
     vocab = scaled.shape[-1]
     lead = scaled.shape[:-1]
+    if params.all_unfiltered:
+        return jnp.full(lead, -jnp.inf, jnp.float32)
     if branch_free():
         on = (params.temperature > 0) & ((params.top_p < 1) | (params.top_k > 0))
         return jnp.where(_per_row(on, nd - 1), _sorted_threshold(scaled, params)[..., 0],

@@ -89,3 +89,24 @@ def test_top_k_indices_match_numpy_on_any_rank():
     got = np.asarray(top_k_indices(jnp.asarray(x), 5))
     assert got.shape == (2, 3, 4, 5) and got.dtype == np.int32
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("branch_free", [True, False])
+def test_unfiltered_batches_trace_no_threshold(branch_free, monkeypatch):
+    """`all_unfiltered` (create() with top_p 1 and top_k 0) warps by temperature alone:
+    the same distribution as the general path, and no sort or TopK in the program."""
+    from dspine_jax.sampling import warp_stats
+    monkeypatch.setattr("dspine_jax.sampling.branch_free", lambda: branch_free)
+    logits = jnp.asarray(np.random.default_rng(4).normal(size=(3, 2, 40)) * 3, jnp.float32)
+    fast = SamplingParams.create(3, 0.7)
+    assert fast.all_unfiltered and not SamplingParams.create(3, 0.7, top_p=0.9).all_unfiltered
+    assert not SamplingParams.create(3, 0.7, top_k=5).all_unfiltered
+    general = fast.replace(all_unfiltered=False)
+    np.testing.assert_allclose(jax.nn.softmax(warp_logits(logits, fast)),
+                               jax.nn.softmax(warp_logits(logits, general)), atol=1e-6)
+    for got, want in zip(warp_stats(logits, fast), warp_stats(logits, general)):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+    for fn in (warp_logits, lambda x, p: warp_stats(x, p)[1]):
+        text = str(jax.make_jaxpr(fn)(logits, fast))
+        assert "sort" not in text and "top_k" not in text, text
+        assert "sort" in str(jax.make_jaxpr(fn)(logits, general)) or not branch_free
