@@ -8,6 +8,7 @@ Order follows transformers: temperature, then top-k, then top-p on what top-k ke
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +39,13 @@ class SamplingParams:
         full = lambda v, dt: jnp.full((batch_size,), v, dt)  # noqa: E731
         return cls(full(temperature, jnp.float32), full(top_p, jnp.float32),
                    full(top_k, jnp.int32), all_greedy=temperature == 0,
-                   all_unfiltered=top_p >= 1 and top_k == 0)
+                   all_unfiltered=top_p >= 1 and top_k == 0 and unfiltered_fast_path())
+
+
+def unfiltered_fast_path() -> bool:
+    """Whether `create` marks batches without top-k/top-p `all_unfiltered`;
+    DSPINE_WARP_UNFILTERED=0 keeps them on the general path (benchmarks' before column)."""
+    return os.environ.get("DSPINE_WARP_UNFILTERED", "1") != "0"
 
 
 def top_k_indices(x: jax.Array, k: int) -> jax.Array:

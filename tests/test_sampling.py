@@ -110,3 +110,8 @@ def test_unfiltered_batches_trace_no_threshold(branch_free, monkeypatch):
         text = str(jax.make_jaxpr(fn)(logits, fast))
         assert "sort" not in text and "top_k" not in text, text
         assert "sort" in str(jax.make_jaxpr(fn)(logits, general)) or not branch_free
+
+
+def test_unfiltered_fast_path_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("DSPINE_WARP_UNFILTERED", "0")
+    assert not SamplingParams.create(2, 1.0).all_unfiltered
