@@ -12,6 +12,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from dspine_jax import row_keys
@@ -27,9 +28,9 @@ class SamplingParams:
     # Static: every row is greedy, so no sort over the vocabulary is traced at all
     # (a batch compiles once per value of this flag).
     all_greedy: bool = struct.field(pytree_node=False, default=False)
-    # Static: no row filters (top_p >= 1 and top_k == 0 everywhere), so the warp is the
-    # temperature alone and no threshold (a sort of the vocabulary on a GPU) is traced.
-    # False is always correct; True is a promise about every row.
+    # Static: no sampled row filters (top_p >= 1 and top_k == 0 wherever temperature > 0),
+    # so the warp is the temperature alone and no threshold (a sort of the vocabulary on a
+    # GPU) is traced. False is always correct; True is a promise about every such row.
     all_unfiltered: bool = struct.field(pytree_node=False, default=False)
 
     @classmethod
@@ -40,6 +41,32 @@ class SamplingParams:
         return cls(full(temperature, jnp.float32), full(top_p, jnp.float32),
                    full(top_k, jnp.int32), all_greedy=temperature == 0,
                    all_unfiltered=top_p >= 1 and top_k == 0 and unfiltered_fast_path())
+
+
+# What a batch's rows ask of the sampler, as the static flags a program is compiled for:
+# every row greedy; sampled rows, none with top-k or top-p; any row filtering.
+SAMPLING_MODES = ("greedy", "unfiltered", "filtered")
+
+
+def batch_sampling_mode(temperature, top_p, top_k) -> str:
+    """The SAMPLING_MODES entry of rows with these [R] settings (host arrays); a greedy
+    row's top-p/top-k never matter (its token is the argmax)."""
+    sampled = np.asarray(temperature) > 0
+    if not sampled.any():
+        return "greedy"
+    filters = (np.asarray(top_p) < 1) | (np.asarray(top_k) > 0)
+    if not (filters & sampled).any() and unfiltered_fast_path():
+        return "unfiltered"
+    return "filtered"
+
+
+def params_for_mode(temperature: jax.Array, top_p: jax.Array, top_k: jax.Array,
+                    mode: str) -> SamplingParams:
+    """SamplingParams of [R] settings whose rows `batch_sampling_mode` puts in `mode`."""
+    if mode not in SAMPLING_MODES:
+        raise ValueError(f"sampling mode must be one of {SAMPLING_MODES}, got {mode!r}")
+    return SamplingParams(temperature, top_p, top_k, all_greedy=mode == "greedy",
+                          all_unfiltered=mode != "filtered")
 
 
 def unfiltered_fast_path() -> bool:

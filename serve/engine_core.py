@@ -54,7 +54,7 @@ import numpy as np
 from dspine_jax.decoding import BatchDecoder
 from dspine_jax.errors import InputError
 from dspine_jax.kv_cache import pages_needed
-from dspine_jax.sampling import validate_sampling
+from dspine_jax.sampling import SAMPLING_MODES, batch_sampling_mode, validate_sampling
 from dspine_serve import slot_steps
 from dspine_serve.slots import SlotPages
 
@@ -369,7 +369,7 @@ class EngineCore:
             fields, chunk = self._prefill_row(r, t)
             matrix[i, :f], matrix[i, f:f + len(chunk)] = fields, chunk
         starting = matrix[:, slot_steps.PREFILL_FIELDS.index("start_slot")]
-        self._call("prefill", (self._shapes, g, t), starting, matrix, greedy=False)
+        self._call("prefill", (self._shapes, g, t), starting, matrix, mode="filtered")
 
     def _prefill_matrix(self, g: int, t: int) -> np.ndarray:
         """[g, F + t] int32: g padding rows (aimed at slot S) of a chunk of t."""
@@ -402,20 +402,22 @@ class EngineCore:
         read = slot_steps.DECODE_FIELDS.index("read")
         matrix[:len(decoding), read:read + 2] = [
             (self._running[s].read, self._running[s].passes_read) for s in decoding]
-        greedy = self._greedy(matrix)
-        self._call("decode", (self._shapes, rows, greedy), slots, matrix, greedy=greedy)
+        mode = self._sampling_mode(matrix)
+        self._call("decode", (self._shapes, rows, mode), slots, matrix, mode=mode)
 
-    def _greedy(self, matrix: np.ndarray) -> bool:
-        """Whether every row of a decode call is greedy (its key: no sort is traced)."""
-        t = matrix[:, slot_steps.DECODE_FIELDS.index("temperature")]
-        return bool((t.view(np.float32) == 0).all())
+    def _sampling_mode(self, matrix: np.ndarray) -> str:
+        """What a decode call's rows ask of the sampler (part of its key): all greedy (no
+        sampling is traced), sampled without top-k/top-p (no vocabulary threshold), or
+        filtered."""
+        column = lambda name: matrix[:, slot_steps.DECODE_FIELDS.index(name)]  # noqa: E731
+        return batch_sampling_mode(column("temperature").view(np.float32),
+                                   column("top_p").view(np.float32), column("top_k"))
 
     def _call(self, name: str, key, slots: np.ndarray, matrix: np.ndarray, *,
-              greedy: bool) -> None:
+              mode: str) -> None:
         """Run a call; its news (rows [slots]) wait for `_fetch`."""
         self._state, news = self._steps(name, key, self._params, self._state,
-                                        self._page_table(), jnp.asarray(matrix),
-                                        greedy=greedy)
+                                        self._page_table(), jnp.asarray(matrix), mode=mode)
         self._news.append((slots, news))
 
     def _fetch(self) -> np.ndarray:
@@ -474,17 +476,17 @@ class EngineCore:
                              completion_tokens=len(r.tokens))
 
     def warmup(self) -> float:
-        """Compile before serving: every decode call (each row bucket, greedy and sampled)
+        """Compile before serving: every decode call (each row bucket x sampling mode)
         and every prefill call (each row bucket x chunk bucket), in parallel; then one
         request end to end. Returns seconds."""
         t0 = time.perf_counter()
         calls = []
-        for r, greedy in itertools.product(self._row_sizes, (True, False)):
+        for r, mode in itertools.product(self._row_sizes, SAMPLING_MODES):
             matrix = self._idle_rows[np.full((r,), self.max_slots)]
-            calls.append(("decode", (self._shapes, r, greedy), self._args(matrix), greedy))
+            calls.append(("decode", (self._shapes, r, mode), self._args(matrix), mode))
         for g, t in itertools.product(self._row_sizes, self._chunk_sizes):
             calls.append(("prefill", (self._shapes, g, t),
-                          self._args(self._prefill_matrix(g, t)), False))
+                          self._args(self._prefill_matrix(g, t)), "filtered"))
         self._steps.precompile(calls)
         n = max(1, min(8, self.max_model_len - self.decoder.extra_capacity - 2))
         self.add_request("__warmup", [0] * n, SamplingOptions(

@@ -25,7 +25,7 @@ Host work per call is kept small, since the host waits for the device every step
 Compiled functions live with their decoder, not with one EngineCore: a server restarted
 in-process (or several cores over one pipeline) compiles nothing twice. Calls are padded
 to a few sizes (`row_buckets`: R and G in powers of 4, T from 16 in powers of 4 up to the
-prefill chunk), each compiled ahead of time per (size, all-greedy) key, all of them at
+prefill chunk), each compiled ahead of time per (size, sampling mode) key, all of them at
 start-up in parallel.
 
 Shape legend: S slots, R decoding rows in a decode call (bucketed), G rows in a prefill
@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspine_jax.decoding import BatchDecoder, DecodeState, request_keys
-from dspine_jax.sampling import SamplingParams
+from dspine_jax.sampling import params_for_mode
 
 _COMPILED: "weakref.WeakKeyDictionary[BatchDecoder, CompiledSteps]" = (
     weakref.WeakKeyDictionary())
@@ -135,7 +135,7 @@ def news(state: DecodeState, rows, read, passes_read, width: int, passes: int) -
 # ----- compilation ---------------------------------------------------------------------------
 class CompiledSteps:
     """The compiled prefill and decode calls of one decoder, one executable per shape key
-    (state shapes, rows, chunk, greedy), compiled ahead of time. `precompile` compiles
+    (state shapes, rows, chunk, sampling mode), compiled ahead of time. `precompile` compiles
     many keys at once on a thread pool (XLA compiles without the GIL), so a server with
     many buckets starts in about the time of its longest compile, not of their sum.
     `params`: the decoder's weights as the flat tuple every call takes."""
@@ -146,22 +146,23 @@ class CompiledSteps:
         fns = {"prefill": functools.partial(prefill_rows, decoder, treedef),
                "decode": functools.partial(decode_rows, decoder, treedef)}
         self._jit = {name: jax.jit(fn, donate_argnames=("state",),
-                                   static_argnames=("greedy",)) for name, fn in fns.items()}
+                                   static_argnames=("mode",)) for name, fn in fns.items()}
         self._executables: dict = {}
 
-    def __call__(self, name: str, key, *args, greedy: bool = False):
+    def __call__(self, name: str, key, *args, mode: str = "filtered"):
         """Run call `name` (compiled for `key` on first use)."""
         executable = self._executables.get((name, key))
         if executable is None:
-            executable = self._executables[(name, key)] = self._compile(name, args, greedy)
+            executable = self._executables[(name, key)] = self._compile(name, args, mode)
         return executable(*args)
 
-    def _compile(self, name: str, args, greedy: bool):
-        return self._jit[name].lower(*args, greedy=greedy).compile()
+    def _compile(self, name: str, args, mode: str):
+        return self._jit[name].lower(*args, mode=mode).compile()
 
-    def precompile(self, calls: list[tuple[str, object, tuple, bool]],
+    def precompile(self, calls: list[tuple[str, object, tuple, str]],
                    workers: int | None = None) -> None:
-        """calls: (name, key, example args, greedy); keys already compiled are skipped."""
+        """calls: (name, key, example args, sampling mode); keys already compiled are
+        skipped."""
         todo = {(n, k): (a, g) for n, k, a, g in calls if (n, k) not in self._executables}
         if not todo:
             return
@@ -187,14 +188,14 @@ def empty_state(decoder: BatchDecoder, page_table, num_pages: int, out_len: int)
 
 # ----- the calls -----------------------------------------------------------------------------
 def prefill_rows(decoder: BatchDecoder, treedef, params, state: DecodeState, page_table,
-                 rows, *, greedy: bool = False) -> tuple[DecodeState, jax.Array]:
+                 rows, *, mode: str = "filtered") -> tuple[DecodeState, jax.Array]:
     """rows [G, F + T]: PREFILL_FIELDS, then the chunk's tokens (q_len real ones) to write
     after what each slot holds (nothing yet on a request's first chunk); then start
     start_slot (S where a row's prompt is not complete yet, or padding). Padding rows aim
     at slot S: they read an out-of-range page table row and write nothing. Returns the
-    state and the started rows' news [G, 3 + W + P]. Prefill traces sampling even for
-    greedy groups (argmax rows stay argmax): one token per row costs little, and it
-    halves the prefill variants to compile."""
+    state and the started rows' news [G, 3 + W + P]. Prefill traces the general sampler
+    ("filtered") for every group (argmax rows stay argmax): one token per row costs
+    little, and it keeps one prefill variant per shape to compile."""
     params = jax.tree.unflatten(treedef, params)
     a = unpack_rows(rows, PREFILL_FIELDS)
     tokens, slots = rows[:, len(PREFILL_FIELDS):], a["slot"]
@@ -211,7 +212,7 @@ def prefill_rows(decoder: BatchDecoder, treedef, params, state: DecodeState, pag
     # a served request samples as row 0 of an offline batch with its seed
     seeds = a["seed"]
     keys = request_keys(seeds, jnp.zeros_like(seeds))
-    sampling = SamplingParams(a["temperature"], a["top_p"], a["top_k"], all_greedy=greedy)
+    sampling = params_for_mode(a["temperature"], a["top_p"], a["top_k"], mode)
     state = decoder.start(state.replace(caches=caches), a["start_slot"], logits, sampling,
                           a["budget"], keys, a["ignore_eos"], a["resume_token"],
                           a["resume_count"])
@@ -220,7 +221,7 @@ def prefill_rows(decoder: BatchDecoder, treedef, params, state: DecodeState, pag
 
 
 def decode_rows(decoder: BatchDecoder, treedef, params, state: DecodeState, page_table,
-                rows, *, greedy: bool = False) -> tuple[DecodeState, jax.Array]:
+                rows, *, mode: str = "filtered") -> tuple[DecodeState, jax.Array]:
     """steps_per_call target passes over the R slots that are decoding (rows [R, F]:
     DECODE_FIELDS; padding: slot S); the other slots are not computed. The R rows' own
     fields are gathered into a state of R rows over the same page pools and scattered back
@@ -246,7 +247,7 @@ def decode_rows(decoder: BatchDecoder, treedef, params, state: DecodeState, page
         num_generated=gather(state.num_generated), done=gather(state.done) | ~real,
         budget=gather(state.budget), pass_lengths=gather(state.pass_lengths),
         num_passes=gather(state.num_passes), rng=gather(state.rng))
-    sampling = SamplingParams(a["temperature"], a["top_p"], a["top_k"], all_greedy=greedy)
+    sampling = params_for_mode(a["temperature"], a["top_p"], a["top_k"], mode)
     sub = decoder.decode(params, sub, sampling, a["ignore_eos"], decoder.steps_per_call)
 
     def scatter(full, part):

@@ -271,8 +271,9 @@ def test_kernel_candidates_are_the_logits_top_k(target, monkeypatch):
         return drafter_loss(config, drafter, out, labels, sup, target_logits=tlogits,
                             teacher_tokens=teacher, output_embedding=e_out, step=5)
 
-    (a, ma), (b, mb) = loss("logits"), loss("kernel")
+    (a, ma), (b, mb), (c, mc) = loss("logits"), loss("kernel"), loss("auto")
     assert float(a) == float(b) and float(ma["refinement"]) == float(mb["refinement"])
+    assert float(c) == float(a) and float(mc["refinement"]) == float(ma["refinement"])
     with pytest.raises(ConfigError, match="loss.candidates"):
         LossConfig(candidates="sorted")
 

@@ -115,3 +115,18 @@ def test_unfiltered_batches_trace_no_threshold(branch_free, monkeypatch):
 def test_unfiltered_fast_path_can_be_switched_off(monkeypatch):
     monkeypatch.setenv("DSPINE_WARP_UNFILTERED", "0")
     assert not SamplingParams.create(2, 1.0).all_unfiltered
+
+
+def test_batch_sampling_mode_ignores_greedy_rows_filters(monkeypatch):
+    from dspine_jax.sampling import batch_sampling_mode, params_for_mode
+    t, p, k = np.array([0.0, 0.7]), np.array([0.5, 1.0]), np.array([3, 0])
+    assert batch_sampling_mode(t, p, k) == "unfiltered"
+    assert batch_sampling_mode(np.zeros(2), p, k) == "greedy"
+    assert batch_sampling_mode(t, np.array([0.5, 0.9]), k) == "filtered"
+    assert batch_sampling_mode(t, p, np.array([3, 2])) == "filtered"
+    monkeypatch.setenv("DSPINE_WARP_UNFILTERED", "0")
+    assert batch_sampling_mode(t, p, k) == "filtered"
+    params = params_for_mode(jnp.asarray(t), jnp.asarray(p), jnp.asarray(k), "unfiltered")
+    assert params.all_unfiltered and not params.all_greedy
+    with pytest.raises(ValueError, match="sampling mode"):
+        params_for_mode(jnp.asarray(t), jnp.asarray(p), jnp.asarray(k), "fast")

@@ -160,6 +160,35 @@ def test_seeded_request_is_the_same_alone_and_under_load(pipe):
     assert drain(core)["loaded"][0] == alone
 
 
+def test_decode_calls_are_compiled_per_sampling_mode(pipe, monkeypatch):
+    """A decode call's key carries what its rows ask of the sampler: sampled rows without
+    top-p/top-k run the program with no vocabulary threshold, one filtering row (or
+    DSPINE_WARP_UNFILTERED=0) the general one; a seeded request's tokens equal offline
+    generate's with its seed either way."""
+    modes = []
+    core = EngineCore(pipe.decoder, max_slots=SLOTS, max_model_len=CONTEXT)
+    spy = core._sampling_mode
+    monkeypatch.setattr(core, "_sampling_mode", lambda m: modes.append(spy(m)) or modes[-1])
+    ids = pipe.encode(PLAIN[2])
+    offline = pipe.decoder.generate([ids], max_new_tokens=12, temperature=1.0, seed=7,
+                                    ignore_eos=True).generations[0].tokens
+    plain = SamplingOptions(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
+    core.add_request("plain", ids, plain)
+    core.add_request("greedy", ids, SamplingOptions(max_tokens=12, top_p=0.5, top_k=3))
+    assert drain(core)["plain"][0] == offline
+    assert set(modes) == {"unfiltered"}
+    modes.clear()
+    core.add_request("plain", ids, plain)
+    core.add_request("filtering", ids, SamplingOptions(max_tokens=4, temperature=1.0,
+                                                       top_p=0.9))
+    assert drain(core)["plain"][0] == offline
+    assert modes[0] == "filtered" and modes[-1] == "unfiltered"
+    monkeypatch.setenv("DSPINE_WARP_UNFILTERED", "0")
+    modes.clear()
+    core.add_request("plain", ids, plain)
+    assert drain(core)["plain"][0] == offline and set(modes) == {"filtered"}
+
+
 @pytest.fixture(scope="module")
 def ar(pipe) -> Pipeline:
     """The target alone: AR greedy is the independent T = 0 reference."""
