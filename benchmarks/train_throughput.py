@@ -78,9 +78,9 @@ def main(argv=None):
     p.add_argument("--blocks", type=int, default=32)
     p.add_argument("--target-attention", default="auto", choices=("auto", "xla", "cudnn"),
                    help="the frozen target's attention (target.attention)")
-    p.add_argument("--candidates", default="logits", choices=("logits", "kernel"),
+    p.add_argument("--candidates", default="auto", choices=("auto", "logits", "kernel"),
                    help="loss.candidates: the DSpine refinement's top-k from the logits or "
-                        "from vocab_top_k of the hidden states")
+                        "from vocab_top_k of the hidden states (auto: kernel on a GPU)")
     p.add_argument("--out", default=None)
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="trace the run and list the N costliest operations per step")
