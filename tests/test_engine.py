@@ -75,6 +75,26 @@ def test_batch_result_splits_prefill_from_decode_time():
     assert 0 < result.prefill_seconds < result.seconds
 
 
+@pytest.mark.parametrize("ahead", ["1", "0"])
+def test_streamed_pieces_are_the_generation(ahead, monkeypatch):
+    """The host loop with one call queued ahead (and without it): the streamed pieces of
+    each row join into its tokens, which equal AR greedy, rows that stop early (EOS,
+    budget 1) included; the accept lengths count every pass."""
+    monkeypatch.setenv("DSPINE_STREAM_AHEAD", ahead)
+    target, drafter = build(kind="dspine")
+    engine = SpeculativeEngine(target, drafter, eos_token_ids=[0], steps_per_call=2)
+    ar = AutoregressiveGenerator(target, eos_token_ids=[0])
+    prompts = PROMPTS[:5]
+    for budget in (1, 7, 30):
+        pieces = {row: [] for row in range(len(prompts))}
+        got = engine.generate(prompts, max_new_tokens=budget,
+                              on_tokens=lambda row, ids: pieces[row].extend(ids)).generations
+        want = ar.generate(prompts, max_new_tokens=budget).generations
+        for row, (g, w) in enumerate(zip(got, want)):
+            assert pieces[row] == g.tokens == w.tokens
+            assert sum(g.accept_lengths) == len(g.tokens) - 1
+
+
 class OracleEngine(SpeculativeEngine):
     """Drafts the true greedy continuation, corrupted at slot `wrong` (if any): exercises
     acceptance, rollback and context growth with real, ragged acceptance lengths."""
