@@ -144,15 +144,18 @@ def test_eos_stops_a_row_and_ignore_eos_does_not(model):
 
 
 def test_decoding_does_not_recompile(model):
-    """Requests in one shape bucket reuse the compiled prefill and decode: one pair for
-    greedy batches, one for sampled ones."""
+    """Requests in one shape bucket reuse the compiled prefill and decode: one pair per
+    sampling mode (greedy; sampled without top-p/top-k; filtered)."""
     gen = AutoregressiveGenerator(model, eos_token_ids=[])
     gen.generate([[1, 2, 3]], max_new_tokens=20)
     gen.generate([[4, 5, 6, 7, 8]], max_new_tokens=25)
     assert len(gen._compiled) == 2
     gen.generate([[4, 5, 6, 7, 8]], max_new_tokens=25, temperature=0.7, seed=3)
-    gen.generate([[9, 9]], max_new_tokens=17, temperature=1.0, top_p=0.5, seed=4)
+    gen.generate([[9, 9]], max_new_tokens=17, temperature=1.0, seed=5)
     assert len(gen._compiled) == 4
+    gen.generate([[9, 9]], max_new_tokens=17, temperature=1.0, top_p=0.5, seed=4)
+    gen.generate([[1, 2, 3]], max_new_tokens=20, temperature=0.9, top_k=5, seed=6)
+    assert len(gen._compiled) == 6
 
 
 def test_sampled_generation_is_seeded(model):
