@@ -34,9 +34,6 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
     add_step_args(p, sweep=False, methods=("ar", "dspine"))
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-p", type=float, default=1.0, help="top-p when temperature > 0")
-    p.add_argument("--top-k", type=int, default=0, help="top-k when temperature > 0")
     p.add_argument("--top", type=int, default=15, help="operations listed per method")
     p.add_argument("--trace-dir", default=None, help="keep the traces here (default: temp)")
     p.add_argument("--out", default=None, help="write the summary as JSON")
@@ -107,7 +104,8 @@ def profile(method: str, model, config, args, trace_dir: Path) -> dict:
     names = hlo_names.module_op_names(hlo, hlo_names.dumped_modules(hlo, "decode") - earlier)
     summary = summarise(device_events(trace), passes, args.top, names)
     return {"method": method, "attention_backend": decoder.attention.name, "batch": args.batch,
-            "context": context, "temperature": args.temperature, "passes": passes, "trace": str(path), **summary}
+            "context": context, "temperature": args.temperature, "passes": passes,
+            "trace": str(path), **summary}
 
 
 def main(argv=None):
@@ -122,7 +120,8 @@ def main(argv=None):
         result = profile(method, model, config, args, trace_dir)
         results.append(result)
         print(f"\n{method} ({result['attention_backend']}, batch {args.batch}, context "
-              f"{context}, T {args.temperature:g}): {result['device_us_per_pass']:.0f} us of device time per pass")
+              f"{context}, T {args.temperature:g}): {result['device_us_per_pass']:.0f} us of "
+              "device time per pass")
         print(top_table(result["top"]))
     if args.out:
         Path(args.out).write_text(json.dumps({"target": args.target, "device": str(

@@ -78,6 +78,10 @@ def add_step_args(p: argparse.ArgumentParser, *, sweep: bool,
                    choices=list(KERNEL_IMPLEMENTATIONS),
                    help="vocab_top_k implementation of DSpine's sparse proposal (pallas: "
                         "the platform's kernel, interpreted on the CPU)")
+    p.add_argument("--temperature", type=float, default=one_or_list(0.0), **many,
+                   help="sampling temperature" + ("(s)" if sweep else "") + "; 0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="top-p when temperature > 0")
+    p.add_argument("--top-k", type=int, default=0, help="top-k when temperature > 0")
 
 
 def parse_args(argv=None):
@@ -85,10 +89,6 @@ def parse_args(argv=None):
     add_step_args(p, sweep=True, methods=("ar", "dflash", "dspine"))
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-stages", action="store_true", help="skip the per-stage split")
-    p.add_argument("--temperature", type=float, nargs="+", default=[0.0],
-                   help="sampling temperature(s); 0 is greedy")
-    p.add_argument("--top-p", type=float, default=1.0, help="top-p when temperature > 0")
-    p.add_argument("--top-k", type=int, default=0, help="top-k when temperature > 0")
     p.add_argument("--compile-workers", type=int, default=min(16, os.cpu_count() or 1),
                    help="cells compiled at once before any is timed")
     p.add_argument("--out", default=None)

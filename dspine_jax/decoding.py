@@ -102,9 +102,9 @@ class Generation:
 class PreparedBatch:
     prefill: Callable[[], DecodeState]
     decode: Callable[[DecodeState], DecodeState]  # steps_per_call target passes per call
-    compile_seconds: float
     # the same call, also returning News: what the host streams, in buffers of their own
-    decode_with_news: Callable[[DecodeState], tuple[DecodeState, "News"]] | None = None
+    decode_with_news: Callable[[DecodeState], tuple[DecodeState, "News"]]
+    compile_seconds: float
 
 
 News = tuple[jax.Array, jax.Array, jax.Array]  # num_generated [B], done [B], output [B, N]
@@ -356,8 +356,8 @@ class BatchDecoder:
                                donate=("state",))
         return PreparedBatch(prefill=lambda: prefill(*args),
                              decode=lambda s: decode(params, s, sampling, ignore)[0],
-                             compile_seconds=time.perf_counter() - t0,
-                             decode_with_news=lambda s: decode(params, s, sampling, ignore))
+                             decode_with_news=lambda s: decode(params, s, sampling, ignore),
+                             compile_seconds=time.perf_counter() - t0)
 
     def allocate_pages(self, prompts, max_new_tokens: int, capacity: int):
         """Every row's pages for its prompt, budget and extra positions, from one pool.

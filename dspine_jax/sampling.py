@@ -38,9 +38,9 @@ class SamplingParams:
                top_k: int = 0) -> "SamplingParams":
         validate_sampling(temperature, top_p, top_k)
         full = lambda v, dt: jnp.full((batch_size,), v, dt)  # noqa: E731
-        return cls(full(temperature, jnp.float32), full(top_p, jnp.float32),
-                   full(top_k, jnp.int32), all_greedy=temperature == 0,
-                   all_unfiltered=top_p >= 1 and top_k == 0 and unfiltered_fast_path())
+        return params_for_mode(full(temperature, jnp.float32), full(top_p, jnp.float32),
+                               full(top_k, jnp.int32),
+                               batch_sampling_mode(temperature, top_p, top_k))
 
 
 # What a batch's rows ask of the sampler, as the static flags a program is compiled for:
@@ -70,7 +70,7 @@ def params_for_mode(temperature: jax.Array, top_p: jax.Array, top_k: jax.Array,
 
 
 def unfiltered_fast_path() -> bool:
-    """Whether `create` marks batches without top-k/top-p `all_unfiltered`;
+    """Whether `batch_sampling_mode` puts batches without top-k/top-p in "unfiltered";
     DSPINE_WARP_UNFILTERED=0 keeps them on the general path (benchmarks' before column)."""
     return os.environ.get("DSPINE_WARP_UNFILTERED", "1") != "0"
 
