@@ -20,7 +20,9 @@ all prompts in batches; tokens/s = all new tokens / decode seconds (JAX: the eng
 wall time, compilation excluded; PyTorch: wall time with the device synchronised). The
 JAX engine decodes every batch twice and times the second run; first_run_seconds sums the
 first runs, which include XLA's one-time setup of every shape compiled for the batch.
-JAX rows also split the engine's time: prefill_seconds (until the prefill's first tokens
+--stream-ahead 1 0 times every JAX batch both with the engine's next call
+queued while the host reads the last (the default) and without, back to back. JAX rows
+also split the engine's time: prefill_seconds (until the prefill's first tokens
 are read), batch_passes (per batch, the most passes any of its rows took: a batch decodes
 until then), pass_ms = decode seconds / batch_passes (comparable with `spec_step`'s pass
 time) and row_pass_share = the rows' own passes / the passes their batches ran.
@@ -37,6 +39,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import sys
 import tempfile
 import time
@@ -56,6 +59,33 @@ def compile_shapes(decoder, groups, workers: int, **options) -> None:
         list(pool.map(lambda g: decoder.prepare(g, **options), shapes.values()))
 
 
+def time_engine(pipe, groups, batch, drafter, kw):
+    """Decode every group twice (the first run of a newly compiled shape also pays XLA's
+    setup) and time the second: (tokens, accept lengths, seconds, row fields)."""
+    toks, accepts, seconds, prefill, first_run = [], [], 0.0, 0.0, 0.0
+    batch_passes = slots = row_passes = 0
+    for i, group in enumerate(groups):
+        first_run += pipe.decoder.generate(group, seed=i * batch, **kw).seconds
+        res = pipe.decoder.generate(group, seed=i * batch, **kw)
+        seconds += res.seconds
+        prefill += res.prefill_seconds
+        toks += [list(g.tokens) for g in res.generations]
+        accepts += [list(g.accept_lengths) if drafter else [1] * len(g.tokens)
+                    for g in res.generations]
+        # decode passes per row (the prefill emits the first token), and a batch decodes
+        # until its row with the most passes is done
+        passes = [len(g.accept_lengths) if drafter else len(g.tokens) - 1
+                  for g in res.generations]
+        batch_passes += max(passes)
+        slots += max(passes) * len(group)
+        row_passes += sum(passes)
+    fields = dict(prefill_seconds=round(prefill, 4), batch_passes=batch_passes,
+                  pass_ms=round(1e3 * (seconds - prefill) / batch_passes, 3),
+                  row_pass_share=round(row_passes / slots, 3),
+                  first_run_seconds=round(first_run, 4))
+    return toks, accepts, seconds, fields
+
+
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=None, help="target (default: the built-in one)")
@@ -71,6 +101,10 @@ def parse(argv=None):
     ap.add_argument("--skip-ar", action="store_true")
     ap.add_argument("--skip-torch", action="store_true",
                     help="time the JAX engine only (no transformers target is built)")
+    ap.add_argument("--stream-ahead", type=int, nargs="+", choices=[0, 1], default=None,
+                    help="JAX: time each batch with the engine's next call queued ahead of "
+                         "the host (1) and/or read before the next is queued (0), back to "
+                         "back in this process (default: DSPINE_STREAM_AHEAD, else 1)")
     ap.add_argument("--compile-workers", type=int, default=8,
                     help="shapes compiled at once before a method's batches are timed")
     ap.add_argument("--out", default=None, help="JSON, rewritten after every row")
@@ -137,7 +171,9 @@ def main(argv=None):
             "temperature": args.temperature}
     rows, outputs = [], {}
 
-    def record(side, method, batch, impl, gens_tokens, accept_lengths, seconds, **extra):
+    def record(side, method, batch, impl, gens_tokens, accept_lengths, seconds, fields=None,
+               **extra):
+        extra = {**(fields or {}), **extra}
         tokens = sum(len(t) for t in gens_tokens)
         passes = sum(len(a) for a in accept_lengths)
         row = {"side": side, "method": method, "batch": batch, "implementation": impl,
@@ -167,29 +203,12 @@ def main(argv=None):
             # JAX engine: compile every batch's shapes side by side, then time every batch.
             kw = {"max_new_tokens": new, "temperature": args.temperature, "ignore_eos": True}
             compile_shapes(pipe.decoder, groups, args.compile_workers, **kw)
-            toks, accepts, seconds, prefill, first_run = [], [], 0.0, 0.0, 0.0
-            batch_passes = slots = row_passes = 0
-            for i, group in enumerate(groups):
-                # twice: the first run of a newly compiled shape also pays XLA's setup
-                first_run += pipe.decoder.generate(group, seed=i * b, **kw).seconds
-                res = pipe.decoder.generate(group, seed=i * b, **kw)
-                seconds += res.seconds
-                prefill += res.prefill_seconds
-                toks += [list(g.tokens) for g in res.generations]
-                accepts += [list(g.accept_lengths) if drafter else [1] * len(g.tokens)
-                            for g in res.generations]
-                # decode passes per row (the prefill emits the first token), and a batch
-                # decodes until its row with the most passes is done
-                passes = [len(g.accept_lengths) if drafter else len(g.tokens) - 1
-                          for g in res.generations]
-                batch_passes += max(passes)
-                slots += max(passes) * len(group)
-                row_passes += sum(passes)
-            record("jax", method, b, "engine", toks, accepts, seconds,
-                   prefill_seconds=round(prefill, 4), batch_passes=batch_passes,
-                   pass_ms=round(1e3 * (seconds - prefill) / batch_passes, 3),
-                   row_pass_share=round(row_passes / slots, 3),
-                   first_run_seconds=round(first_run, 4))
+            for ahead in args.stream_ahead or [None]:
+                if ahead is not None:   # read by every `stream` call (decoding.py)
+                    os.environ["DSPINE_STREAM_AHEAD"] = str(ahead)
+                extra = {} if ahead is None else {"stream_ahead": ahead}
+                record("jax", method, b, "engine", *time_engine(pipe, groups, b, drafter, kw),
+                       **extra)
             if hf_target is None:
                 continue
             for impl in (args.torch_implementation if drafter else ["generate"]):

@@ -475,13 +475,17 @@ class EngineCore:
                              accept_lengths=accepted, prompt_tokens=len(r.prompt),
                              completion_tokens=len(r.tokens))
 
-    def warmup(self) -> float:
-        """Compile before serving: every decode call (each row bucket x sampling mode)
-        and every prefill call (each row bucket x chunk bucket), in parallel; then one
-        request end to end. Returns seconds."""
+    def warmup(self, modes: Sequence[str] = SAMPLING_MODES) -> float:
+        """Compile before serving: every decode call (each row bucket x sampling mode in
+        `modes`; a caller that knows its requests never filter, or never sample, leaves
+        those modes out) and every prefill call (each row bucket x chunk bucket), in
+        parallel; then one request end to end. Returns seconds."""
+        unknown = sorted(set(modes) - set(SAMPLING_MODES))
+        if unknown:
+            raise InputError(f"unknown sampling modes {unknown}; choose from {SAMPLING_MODES}")
         t0 = time.perf_counter()
         calls = []
-        for r, mode in itertools.product(self._row_sizes, SAMPLING_MODES):
+        for r, mode in itertools.product(self._row_sizes, modes):
             matrix = self._idle_rows[np.full((r,), self.max_slots)]
             calls.append(("decode", (self._shapes, r, mode), self._args(matrix), mode))
         for g, t in itertools.product(self._row_sizes, self._chunk_sizes):

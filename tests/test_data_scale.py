@@ -228,6 +228,10 @@ def test_slot_engine_gives_each_response_its_own_seed(tiny, tmp_path, monkeypatc
         assert manifest["compile_seconds"] > 0  # every call shape compiled before decoding
         runs[shard] = [s.tokens.tolist() for s in load_dataset(tmp_path / f"shard{shard}")]
     assert runs[2] == runs[6] and len(runs[2]) == 5 * 3
+    from dspine_serve import slot_steps
+    decode_modes = {key[1][2] for key in slot_steps.compiled(pipe.decoder)._executables
+                    if key[0] == "decode"}
+    assert decode_modes == {"greedy", "unfiltered"}  # no row filters: none compiled
     # A pool of one full request's pages for the 4 slots: responses are preempted and
     # recomputed from their own seeds, and the data stay the same.
     cores = []
@@ -249,3 +253,15 @@ def test_slot_engine_gives_each_response_its_own_seed(tiny, tmp_path, monkeypatc
         regen.regenerate(tmp_path / "shard2", shard_size=2, **{**kw, "engine": "batch"})
     with pytest.raises(InputError, match="num_pages sizes the slot engine"):
         regen.regenerate(tmp_path / "x", num_pages=64, **{**kw, "engine": "batch"})
+
+
+def test_regeneration_warms_up_only_the_sampling_modes_its_calls_can_take(monkeypatch):
+    """Greedy and plain sampled rows never filter, so the slot engine skips compiling the
+    filtered decode calls (a third of the warm-up); top-p < 1 needs them."""
+    import dspine_train.regenerate as regen
+
+    assert regen.sampling_modes([0.0, 0.7, 1.0], 1.0) == ["greedy", "unfiltered"]
+    assert regen.sampling_modes([0.0], 0.9) == ["greedy"]
+    assert regen.sampling_modes([0.0, 1.0], 0.9) == ["greedy", "filtered"]
+    monkeypatch.setenv("DSPINE_WARP_UNFILTERED", "0")  # no unfiltered program at all
+    assert regen.sampling_modes([0.0, 1.0], 1.0) == ["greedy", "filtered"]

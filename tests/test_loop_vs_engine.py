@@ -24,13 +24,17 @@ def test_jax_rows_split_prefill_and_passes(tiny_llama_dir, tmp_path):
     loop_vs_engine.main(["--target", str(tiny_llama_dir), "--drafter", str(tmp_path / "d"),
                          "--prompts", str(prompts), "--num-prompts", "3", "--batch", "2",
                          "--max-new-tokens", "6", "--dtype", "f32", "--skip-torch",
-                         "--out", str(out)])
+                         "--stream-ahead", "0", "1", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["side"], r["method"]) for r in rows] == [("jax", "ar"), ("jax", "d")]
-    ar, spec = rows
+    assert [(r["side"], r["method"], r["stream_ahead"]) for r in rows] == [
+        ("jax", "ar", 0), ("jax", "ar", 1), ("jax", "d", 0), ("jax", "d", 1)]
+    ar, _, spec, spec_ahead = rows
     # batches of 2 and 1 rows, 6 tokens each: 5 decode steps per batch after the prefill
     assert ar["batch_passes"] == 10 and ar["row_pass_share"] == 1.0 and ar["tau"] == 1.0
     assert 0 < spec["batch_passes"] <= 10 and 0 < spec["row_pass_share"] <= 1.0
+    # the same greedy passes whether the next call is queued ahead of the host or not
+    assert spec_ahead["batch_passes"] == spec["batch_passes"]
+    assert spec_ahead["tau"] == spec["tau"]
     for r in rows:
         assert r["tokens"] == 18 and 0 < r["prefill_seconds"] < r["seconds"]
         assert r["pass_ms"] > 0 and r["first_run_seconds"] > 0

@@ -116,7 +116,7 @@ def regenerate(out: Path, *, target: str, source: str = "sharegpt", turns: str =
     if core is not None and done < len(prompts):
         # Every call shape at once, compiled in parallel. Compiled lazily, one at a time,
         # they made the first shard take 224 s on the H200 (512 slots), the others 30-45.
-        seconds = core.warmup()
+        seconds = core.warmup(sampling_modes(temperatures, top_p))
         manifest["compile_seconds"] = round(manifest.get("compile_seconds", 0) + seconds, 3)
         progress.write(f"compiled the slot engine's calls in {seconds:.0f} s")
     for start in range(done, len(prompts), shard_size):
@@ -178,6 +178,16 @@ def slot_engine(decoder, max_slots: int, longest: int, num_pages: int | None = N
         num_pages = max_slots * pages_needed(max_model_len, decoder.page_size)
     return EngineCore(decoder, max_slots=max_slots, max_model_len=max_model_len,
                       num_pages=num_pages)
+
+
+def sampling_modes(temperatures: list[float], top_p: float) -> list[str]:
+    """The slot engine's decode modes a regeneration's calls can take: a call's mode is
+    that of its rows together, and a mix of greedy and sampled rows samples."""
+    from dspine_jax.sampling import SAMPLING_MODES, batch_sampling_mode
+
+    modes = {batch_sampling_mode(np.float32([t]), np.float32([top_p]), np.int32([0]))
+             for t in temperatures}
+    return [m for m in SAMPLING_MODES if m in modes]
 
 
 def response_seed(seed: int, prompt_index: int, response: int) -> int:
