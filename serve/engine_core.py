@@ -259,6 +259,11 @@ class EngineCore:
         self._aborted.append(request)
         return True
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for a slot (preempted ones included)."""
+        return len(self._waiting)
+
     def has_work(self) -> bool:
         return bool(self._waiting or self._running or self._aborted)
 

@@ -265,3 +265,54 @@ def test_regeneration_warms_up_only_the_sampling_modes_its_calls_can_take(monkey
     assert regen.sampling_modes([0.0, 1.0], 0.9) == ["greedy", "filtered"]
     monkeypatch.setenv("DSPINE_WARP_UNFILTERED", "0")  # no unfiltered program at all
     assert regen.sampling_modes([0.0, 1.0], 1.0) == ["greedy", "filtered"]
+
+
+def test_slot_decoding_overlaps_a_shard_tail_with_the_next_shard():
+    """The next shard's requests are queued once none waits, while the last responses of
+    the one before still decode; shards come out whole and in order, each response under
+    its own request (a fake engine: request k emits its id's digits, one per step)."""
+    import types
+
+    import dspine_train.regenerate as regen
+
+    class Core:
+        def __init__(self, slots):
+            self.slots, self.waiting, self.running, self.log = slots, [], {}, []
+
+        num_waiting = property(lambda self: len(self.waiting))
+
+        def add_request(self, key, prompt, options):
+            self.log.append((key, sorted(self.running)))
+            self.waiting.append((key, [prompt[0]] * (1 + len(prompt))))
+
+        def has_work(self):
+            return bool(self.waiting or self.running)
+
+        def step(self):
+            while self.waiting and len(self.running) < self.slots:
+                key, left = self.waiting.pop(0)
+                self.running[key] = left
+            outs = []
+            for key, left in list(self.running.items()):
+                token = left.pop()
+                if not left:
+                    del self.running[key]
+                outs.append(types.SimpleNamespace(request_id=key, new_token_ids=[token],
+                                                  finished=not left))
+            return outs
+
+    def chunk(start, lengths):
+        encoded = [[start + i] * n for i, n in enumerate(lengths)]
+        return regen.Chunk(len(lengths) + 1, encoded, [start + i for i in range(len(lengths))],
+                           dict.fromkeys(regen.COUNTERS, 0))
+
+    core = Core(slots=2)
+    chunks = [chunk(0, [1, 6]), chunk(10, []), chunk(20, [2, 1])]
+    progress = types.SimpleNamespace(update=lambda n: None)
+    out = list(regen.decode_slots(core, chunks, [0.0, 1.0], 0, 8, 1.0, progress))
+    assert [c for c, _, _ in out] == chunks
+    assert out[0][1] == [[[0] * 2, [0] * 2], [[1] * 7, [1] * 7]]
+    assert out[1][1] == [] and out[2][1] == [[[20] * 3] * 2, [[21] * 2] * 2]
+    # chunk 20 was queued while chunk 0's long responses still ran
+    assert ("20/0", ["1/0", "1/1"]) in core.log
+    assert all(s >= 0 for _, _, s in out)

@@ -10,8 +10,11 @@ times at every T > 0 (greedy answers would repeat: T = 0 gives one). Responses a
 decoded by the same engines as everything else: `engine="batch"`, full batches of one
 temperature that run until their longest row ends, or `engine="slots"`, the serving
 engine's continuous batching over one shared KV page pool (a finished row takes the next
-response at once; every response draws from its own seed). They land in shards of
-`shard_size` prompts (all of their responses) with a loss mask on the response tokens.
+response at once; every response draws from its own seed; the next shard's requests are
+queued as soon as none waits, so a shard's last long responses do not leave slots idle).
+They land in shards of `shard_size` prompts (all of their responses), in order, with a
+loss mask on the response tokens; a shard's `seconds` is the decoding time since the
+previous shard was done.
 
 Rerunning the same command resumes after the last finished shard; a different command on
 the same folder (any setting that changes the data, or a folder made by an older
@@ -20,6 +23,8 @@ version) is refused rather than mixed in.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import time
 from pathlib import Path
 
@@ -119,46 +124,63 @@ def regenerate(out: Path, *, target: str, source: str = "sharegpt", turns: str =
         seconds = core.warmup(sampling_modes(temperatures, top_p))
         manifest["compile_seconds"] = round(manifest.get("compile_seconds", 0) + seconds, 3)
         progress.write(f"compiled the slot engine's calls in {seconds:.0f} s")
-    for start in range(done, len(prompts), shard_size):
+    chunks = (encode_chunk(pipe.tokenizer, prompts, start, shard_size, max_prompt_tokens)
+              for start in range(done, len(prompts), shard_size))
+    if engine == "slots":
+        decoded = decode_slots(core, chunks, plan, seed, max_new_tokens, top_p, progress)
+    else:
+        first = len(manifest["shards"])  # each batch's seed counts shards from the start
+        decoded = ((chunk, *decode_batches(pipe.decoder, chunk.encoded, plan, temperatures,
+                                           first + k, seed, max_new_tokens, top_p, rows,
+                                           progress))
+                   for k, chunk in enumerate(chunks))
+    for chunk, responses, seconds in decoded:
         shard = len(manifest["shards"])
-        chunk = prompts[start:start + shard_size]
-        counts = dict.fromkeys(COUNTERS, 0)
-        encoded, index = [], []  # the prompts that fit, and their index in the source
-        for k, p in enumerate(chunk):
-            fitted = encode(pipe.tokenizer, p, max_prompt_tokens)
-            if fitted is None:
-                counts["skipped_long_prompts"] += 1
-                continue
-            encoded.append(fitted[0])
-            index.append(start + k)
-            counts["truncated_prompts"] += fitted[1] > 0
-            counts["dropped_context_turns"] += fitted[1]
-        started = time.perf_counter()
-        if engine == "slots":
-            responses = decode_slots(core, encoded, index, plan, seed, max_new_tokens, top_p,
-                                     progress)
-        else:
-            responses = decode_batches(pipe.decoder, encoded, plan, temperatures, shard, seed,
-                                       max_new_tokens, top_p, rows, progress)
         sequences = []
-        for ids, answers in zip(encoded, responses):
+        for ids, answers in zip(chunk.encoded, responses):
             for answer in answers:
                 tokens = np.asarray(ids + answer, np.int32)
                 sequences.append(Sequence(tokens, np.arange(len(tokens)) >= len(ids)))
-        progress.update((len(chunk) - len(encoded)) * len(plan))
+        progress.update((chunk.prompts - len(chunk.encoded)) * len(plan))
         name = (write_shard(out, shard, sequences, manifest["token_dtype"])
                 if sequences else None)
-        manifest["shards"].append(dict(file=name, prompts=len(chunk), sequences=len(sequences),
+        manifest["shards"].append(dict(file=name, prompts=chunk.prompts,
+                                       sequences=len(sequences),
                                        tokens=int(sum(len(s.tokens) for s in sequences)),
                                        response_tokens=int(sum(s.loss_mask.sum()
                                                                for s in sequences)),
-                                       seconds=round(time.perf_counter() - started, 3),
-                                       **counts))
-        for key, value in counts.items():
+                                       seconds=round(seconds, 3), **chunk.counts))
+        for key, value in chunk.counts.items():
             manifest[key] += value
         write_manifest(out, manifest)
     progress.close()
     return manifest
+
+
+@dataclasses.dataclass
+class Chunk:
+    """One shard's prompts: those that fit, encoded, with their index in the source."""
+    prompts: int                 # prompts of the source in this shard (fitting or not)
+    encoded: list[list[int]]
+    index: list[int]
+    counts: dict[str, int]       # COUNTERS
+
+
+def encode_chunk(tokenizer, prompts: list[dict], start: int, size: int,
+                 max_prompt_tokens: int) -> Chunk:
+    chunk = prompts[start:start + size]
+    counts = dict.fromkeys(COUNTERS, 0)
+    encoded, index = [], []
+    for k, p in enumerate(chunk):
+        fitted = encode(tokenizer, p, max_prompt_tokens)
+        if fitted is None:
+            counts["skipped_long_prompts"] += 1
+            continue
+        encoded.append(fitted[0])
+        index.append(start + k)
+        counts["truncated_prompts"] += fitted[1] > 0
+        counts["dropped_context_turns"] += fitted[1]
+    return Chunk(len(chunk), encoded, index, counts)
 
 
 def slot_engine(decoder, max_slots: int, longest: int, num_pages: int | None = None):
@@ -197,9 +219,11 @@ def response_seed(seed: int, prompt_index: int, response: int) -> int:
 
 
 def decode_batches(decoder, encoded, plan, temperatures, shard, seed, max_new_tokens, top_p,
-                   rows, progress) -> list[list[list[int]]]:
-    """responses[i][j]: prompt i's response j (plan order), decoded in full batches of
-    `rows`, one temperature at a time; each batch draws from one seed."""
+                   rows, progress) -> tuple[list[list[list[int]]], float]:
+    """(responses, seconds): responses[i][j] is prompt i's response j (plan order),
+    decoded in full batches of `rows`, one temperature at a time; each batch draws from
+    one seed."""
+    started = time.perf_counter()
     responses = [[None] * len(plan) for _ in encoded]
     for ti, t in enumerate(temperatures):
         items = [(i, j) for i in range(len(encoded)) for j, tj in enumerate(plan) if tj == t]
@@ -212,29 +236,57 @@ def decode_batches(decoder, encoded, plan, temperatures, shard, seed, max_new_to
             for (i, j), gen in zip(batch, result.generations):  # pad rows dropped
                 responses[i][j] = gen.tokens
             progress.update(len(batch))
-    return responses
+    return responses, time.perf_counter() - started
 
 
-def decode_slots(core, encoded, index, plan, seed, max_new_tokens, top_p,
-                 progress) -> list[list[list[int]]]:
-    """responses[i][j] from the slot engine (continuous batching: a finished response's
-    slot takes the next one at once, so rows never idle until the longest is done). Each
-    response draws from its own seed (of the prompt's index in the source and j): the
-    engine keeps one RNG key per row, so a response is the same whatever the slot count,
-    the pool size (a preempted response is recomputed from the same key) or the responses
-    decoded beside it."""
+def decode_slots(core, chunks, plan, seed, max_new_tokens, top_p, progress):
+    """Yield (chunk, responses, seconds) per chunk, in order, from the slot engine
+    (continuous batching: a finished response's slot takes the next one at once).
+    responses[i][j] is prompt i's response j; seconds is the decoding time since the
+    previous chunk was done. The next chunk's requests are queued as soon as no request
+    waits, so the slots its last responses leave free do not idle while they finish (the
+    tail of a chunk overlaps the next). Each response draws from its own seed (of the
+    prompt's index in the source and j): the engine keeps one RNG key per row, so a
+    response is the same whatever the slot count, the pool size (a preempted response is
+    recomputed from the same key) or the responses decoded beside it."""
     from dspine_serve.engine_core import SamplingOptions  # the serving engine's slots
 
-    ids = {}
-    for i, prompt in enumerate(encoded):
-        for j, t in enumerate(plan):
-            key = f"{i}/{j}"
-            core.add_request(key, prompt, SamplingOptions(
-                max_tokens=max_new_tokens, temperature=t, top_p=top_p,
-                seed=response_seed(seed, index[i], j)))
-            ids[key] = []
-    while core.has_work():
-        for out in core.step():
-            ids[out.request_id] += out.new_token_ids
-            progress.update(out.finished)
-    return [[ids[f"{i}/{j}"] for j in range(len(plan))] for i in range(len(encoded))]
+    chunks = iter(chunks)
+    queued = collections.deque()     # [chunk, responses, requests left], oldest first
+    where = {}                       # request id -> (its chunk's entry, i, j)
+
+    def queue_next() -> bool:
+        chunk = next(chunks, None)
+        if chunk is None:
+            return False
+        entry = [chunk, [[None] * len(plan) for _ in chunk.encoded],
+                 len(chunk.encoded) * len(plan)]
+        for i, prompt in enumerate(chunk.encoded):
+            for j, t in enumerate(plan):
+                key = f"{chunk.index[i]}/{j}"
+                core.add_request(key, prompt, SamplingOptions(
+                    max_tokens=max_new_tokens, temperature=t, top_p=top_p,
+                    seed=response_seed(seed, chunk.index[i], j)))
+                where[key] = entry, i, j
+                entry[1][i][j] = []
+        queued.append(entry)
+        return True
+
+    more = queue_next()
+    last = time.perf_counter()
+    while queued:
+        if more and not core.num_waiting:
+            more = queue_next()
+        if core.has_work():
+            for out in core.step():
+                entry, i, j = where[out.request_id]
+                entry[1][i][j] += out.new_token_ids
+                if out.finished:
+                    del where[out.request_id]
+                    entry[2] -= 1
+                    progress.update(1)
+        while queued and queued[0][2] == 0:
+            chunk, responses, _ = queued.popleft()
+            now = time.perf_counter()
+            yield chunk, responses, now - last
+            last = time.perf_counter()   # writing the shard is not decoding
