@@ -81,6 +81,18 @@ def main(argv=None):
     p.add_argument("--candidates", default="auto", choices=("auto", "logits", "kernel"),
                    help="loss.candidates: the DSpine refinement's top-k from the logits or "
                         "from vocab_top_k of the hidden states (auto: kernel on a GPU)")
+    p.add_argument("--backbone", default=None, choices=("ce", "ce+l1"),
+                   help="loss.backbone (default: the drafter's own: ce for DFlash, ce+l1 for "
+                        "DSpine)")
+    p.add_argument("--alignment", default="on", choices=("on", "off"),
+                   help="loss.alignment (DSpine; the shipped recipe: --backbone ce "
+                        "--alignment off)")
+    p.add_argument("--logits", default="auto", choices=("auto", "dense", "fused"),
+                   help="loss.logits: the [B, n, K, V] logits (dense) or lm_head_stats from "
+                        "the hidden states (fused; auto: fused on a GPU/TPU for a CE backbone)")
+    p.add_argument("--analysis", action="store_true",
+                   help="also report XLA's FLOPs, bytes accessed and temporary memory of the "
+                        "compiled step")
     p.add_argument("--out", default=None)
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="trace the run and list the N costliest operations per step")
@@ -98,7 +110,9 @@ def main(argv=None):
         cfg = from_dict({
             "target": {"name": args.target, "attention": args.target_attention},
             "drafter": {"kind": args.kind, "layers": args.layers, "mask_token_id": 1},
-            "loss": {"candidates": args.candidates},
+            "loss": {"candidates": args.candidates, "logits": args.logits,
+                     "alignment": args.alignment == "on",
+                     **({"backbone": args.backbone} if args.backbone else {})},
             "data": {"path": str(data), "seq_len": args.seq_len, "blocks_per_seq": args.blocks},
             "run": {"out": str(Path(tmp) / "run"), "steps": args.steps + 1,
                     "batch_size": args.batch, "log_every": log_every,
@@ -106,7 +120,9 @@ def main(argv=None):
         })
         traced_steps = min(10, args.steps - 1) if args.profile else 0
         trace = Path(tmp) / "trace" if args.profile else None
-        train(cfg, progress=False, trace_dir=trace, trace_steps=traced_steps)
+        analysis = {} if args.analysis else None
+        summary = train(cfg, progress=False, trace_dir=trace, trace_steps=traced_steps,
+                        analysis=analysis)
         if args.profile:
             hlo = Path(tmp) / "hlo"
             names = hlo_names.module_op_names(hlo, hlo_names.dumped_modules(hlo, "jit_step"))
@@ -116,10 +132,14 @@ def main(argv=None):
     last = rows[-1]
     result = dict(target=args.target, kind=args.kind, layers=args.layers, batch=args.batch,
                   target_attention=args.target_attention, candidates=args.candidates,
+                  backbone=args.backbone, alignment=args.alignment, logits=args.logits,
+                  peak_device_memory_bytes=summary.get("peak_device_memory_bytes"),
                   seq_len=args.seq_len, blocks_per_seq=args.blocks,
                   tokens_per_s=float(last["tokens_per_s"]),
                   mfu=float(last["mfu"]) if last.get("mfu") else None,
                   loss=float(last["loss"]), date=str(date.today()))
+    if analysis:
+        result["analysis"] = analysis
     if args.profile:
         result["profile"] = profile
         print(f"device time per step {profile['device_us_per_pass'] / 1e3:.1f} ms: "

@@ -23,9 +23,11 @@ from dspine_jax.drafters.config import DrafterConfig
 from dspine_jax.drafters.model import BlockDrafter, DraftOutput
 from dspine_jax.errors import ConfigError
 from dspine_jax.sampling import top_k_indices
+from pallas_kernels.lm_head_stats import lm_head_stats
 
 BACKBONE_LOSSES = ("ce", "ce+l1")
 CANDIDATE_SOURCES = ("auto", "logits", "kernel")
+LOGITS_PATHS = ("auto", "dense", "fused")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +48,14 @@ class LossConfig:
     # recomputes the products tile by tile and never reads the logits; 1.23x the DSpine
     # step on an H200); "auto": "kernel" on a GPU, "logits" elsewhere
     candidates: str = "auto"
+    # how the vocabulary-sized work runs: "dense" builds the [B, n, K, V] logits (the
+    # drafter's, and the target's for the refinement) and differentiates them by autodiff;
+    # "fused" takes the CE, the label's rank and the target's log-normaliser straight from
+    # the hidden states with `pallas_kernels.lm_head_stats` (a kernel on a GPU or TPU,
+    # vocabulary chunks elsewhere; no [B, n, K, V] tensor), for a CE backbone with the
+    # refinement's candidates from the kernel; "auto": "fused" where that holds on a GPU
+    # or TPU, else "dense" (a CPU pays for the fused backward's second product)
+    logits: str = "auto"
     candidate_mass_threshold: float = 1e-4
     alignment: bool = True             # [switch] layer-wise output-embedding supervision
     alignment_weight: float = 0.5      # beta (DSpine only)
@@ -63,6 +73,14 @@ class LossConfig:
         if self.candidates not in CANDIDATE_SOURCES:
             raise ConfigError(f"loss.candidates must be one of {CANDIDATE_SOURCES}, "
                               f"got {self.candidates!r}")
+        if self.logits not in LOGITS_PATHS:
+            raise ConfigError(f"loss.logits must be one of {LOGITS_PATHS}, got {self.logits!r}")
+        if self.logits == "fused" and self.candidates == "logits":
+            raise ConfigError("loss.logits = 'fused' builds no logits to take the candidates "
+                              "from: use loss.candidates = 'kernel' (or 'auto')")
+        if self.logits == "fused" and self.backbone == "ce+l1":
+            raise ConfigError("loss.logits = 'fused' computes the CE backbone only; the L1 term "
+                              "of backbone 'ce+l1' needs loss.logits = 'dense'")
         if self.gamma is not None and not self.gamma > 0:
             raise ConfigError(f"loss.gamma must be positive, got {self.gamma!r}")
         for name in ("ce_weight", "replacement_probability", "replacement_hold_ratio",
@@ -84,10 +102,15 @@ class LossConfig:
         """Every `None` filled in for this drafter; switches a DFlash cannot use turned off
         (it has no transfer space to align to or to replace codes in)."""
         spine = config.dspine
+        backbone = self.backbone or ("ce" if spine is None else "ce+l1")
+        if self.logits == "fused" and backbone == "ce+l1":
+            raise ConfigError("loss.logits = 'fused' computes the CE backbone only; this "
+                              "drafter's default backbone is 'ce+l1': set loss.backbone = "
+                              "'ce' or loss.logits = 'dense'")
         return dataclasses.replace(
             self,
             gamma=self.gamma or {16: 7.0, 10: 5.0, 8: 4.0}.get(config.block_size, 7.0),
-            backbone=self.backbone or ("ce" if spine is None else "ce+l1"),
+            backbone=backbone,
             refinement=(spine is not None and spine.refinement_head
                         if self.refinement is None else self.refinement),
             top_k=self.top_k or (16 if spine is None else spine.top_k),
@@ -97,6 +120,15 @@ class LossConfig:
     @property
     def resolved(self) -> bool:
         return None not in (self.gamma, self.backbone, self.refinement, self.top_k)
+
+    @property
+    def fused_logits(self) -> bool:
+        """Whether the loss takes its vocabulary statistics from `lm_head_stats` (the
+        `logits` field, "auto" decided for this backend); resolved configs only."""
+        if self.logits != "auto":
+            return self.logits == "fused"
+        return (self.backbone == "ce" and self.candidates != "logits"
+                and jax.default_backend() in ("gpu", "tpu"))
 
 
 def slot_weights(block_size: int, gamma: float) -> jax.Array:
@@ -117,11 +149,14 @@ def alignment_scale(step, beta: float, warmup_steps: int):
 
 
 def drafter_loss(config: LossConfig, drafter: BlockDrafter, out: DraftOutput, labels,
-                 supervised, *, target_logits=None, teacher_tokens=None,
+                 supervised, *, target_logits=None, target_hidden=None, teacher_tokens=None,
                  output_embedding=None, step=0, all_sum=None):
     """(loss, metrics). labels/supervised [B, n, K]; target_logits [B, n, K, V] (needed by
-    L1 terms); teacher_tokens [B, n, K] true predecessors and output_embedding [V, D]
-    (needed by refinement).
+    L1 terms and, on the dense path, the refinement) or, on the fused path
+    (`config.fused_logits`), target_hidden [B, n, K, D] the target's final hidden states
+    at the slots (the refinement's p_target); teacher_tokens [B, n, K] true predecessors
+    (needed by refinement); output_embedding [V, D] the target's lm_head (needed by the
+    refinement and the fused path).
 
     all_sum: for a batch split over devices (inside shard_map), the sum over devices
     (psum). Every normaliser and metric is then the whole batch's, and the returned loss
@@ -137,14 +172,26 @@ def drafter_loss(config: LossConfig, drafter: BlockDrafter, out: DraftOutput, la
     w = slot_weights(k, config.gamma) * supervised                      # [B, n, K]
     total_w = jnp.maximum(total(jnp.sum(w)), 1e-9)
     weighted = lambda x: total(jnp.sum(x * w)) / total_w  # noqa: E731  (a metric)
-    # Every pass over [B, n, K, V] costs: the logits are read for their log-normaliser, the
-    # label's rank (coverage and accuracy in one) and, with a decoding head, the
-    # candidates; the probabilities are built only for an L1 term.
-    lse = jax.nn.logsumexp(out.logits, axis=-1)                        # [B, n, K]
-    label_logit = jnp.take_along_axis(out.logits, labels[..., None], -1)[..., 0]
+    fused = config.fused_logits
+    num_candidates = min(config.top_k, output_embedding.shape[0] if fused
+                         else out.logits.shape[-1])
+    if fused:       # no [B, n, K, V] tensor: the statistics from the hidden states
+        lse, label_logit, rank = _slot_stats(out.hidden, output_embedding, labels)
+        frozen = None
+    else:
+        # Every pass over [B, n, K, V] costs: the logits are read for their log-normaliser,
+        # the label's rank (coverage and accuracy in one) and, with a decoding head, the
+        # candidates; the probabilities are built only for an L1 term.
+        lse = jax.nn.logsumexp(out.logits, axis=-1)                    # [B, n, K]
+        label_logit = jnp.take_along_axis(out.logits, labels[..., None], -1)[..., 0]
+        frozen = jax.lax.stop_gradient(out.logits)
+        rank = label_rank(frozen, labels)                              # [B, n, K]
     ce = lse - label_logit                                             # [B, n, K]
-    if (config.backbone == "ce+l1" or config.refinement) and target_logits is None:
+    if config.backbone == "ce+l1" and target_logits is None:
         raise ValueError("this loss needs the target's logits (p_target)")
+    if config.refinement and (target_hidden if fused else target_logits) is None:
+        raise ValueError("the refinement needs the target's " +
+                         ("final hidden states at the slots" if fused else "logits"))
 
     metrics = {"backbone_ce": weighted(ce)}
     if config.backbone == "ce+l1":
@@ -156,14 +203,12 @@ def drafter_loss(config: LossConfig, drafter: BlockDrafter, out: DraftOutput, la
         backbone = ce
     per_slot = backbone
 
-    num_candidates = min(config.top_k, out.logits.shape[-1])
-    frozen = jax.lax.stop_gradient(out.logits)
-    rank = label_rank(frozen, labels)                                  # [B, n, K]
     label_in = rank < num_candidates
     metrics["coverage"] = _mean_over(label_in, supervised, total)
 
     if config.refinement:
-        candidates = refinement_candidates(config.candidates, frozen, out.hidden,
+        source = "kernel" if fused else config.candidates
+        candidates = refinement_candidates(source, frozen, out.hidden,
                                            output_embedding, num_candidates)  # [B,n,K,C]
         rows = jnp.take(output_embedding, candidates, axis=0)          # [B, n, K, C, D]
         scores = drafter.transition_scores(out.pre_injection, teacher_tokens[..., None],
@@ -171,8 +216,15 @@ def drafter_loss(config: LossConfig, drafter: BlockDrafter, out: DraftOutput, la
         logq = jax.nn.log_softmax(scores, -1)
         hit = candidates == labels[..., None]
         ce_ref = -jnp.sum(jnp.where(hit, logq, 0.0), -1) * label_in
-        target_lse = jax.nn.logsumexp(target_logits, -1)[..., None]
-        p_c = jnp.exp(jnp.take_along_axis(target_logits, candidates, -1) - target_lse)
+        if fused:     # the target's logits at the candidates, its lse from the kernel
+            target_lse = _slot_stats(target_hidden, output_embedding, labels)[0][..., None]
+            target_c = jnp.einsum("BnKD,BnKCD->BnKC", target_hidden,
+                                  rows.astype(target_hidden.dtype),
+                                  preferred_element_type=jnp.float32)
+        else:
+            target_lse = jax.nn.logsumexp(target_logits, -1)[..., None]
+            target_c = jnp.take_along_axis(target_logits, candidates, -1)
+        p_c = jnp.exp(target_c - target_lse)
         mass = jnp.sum(p_c, -1)
         l1_ref = jnp.sum(jnp.abs(jnp.exp(logq) - p_c / jnp.maximum(mass, 1e-12)[..., None]), -1)
         l1_ref = jnp.where(mass >= config.candidate_mass_threshold, l1_ref, 0.0)
@@ -184,8 +236,8 @@ def drafter_loss(config: LossConfig, drafter: BlockDrafter, out: DraftOutput, la
                                                   total)
 
     if config.alignment and config.alignment_weight > 0:
-        rank = drafter.config.dspine.transfer_rank
-        codes = drafter.code(labels, output_embedding) / math.sqrt(rank)  # unit c_label
+        transfer_rank = drafter.config.dspine.transfer_rank
+        codes = drafter.code(labels, output_embedding) / math.sqrt(transfer_rank)  # unit
         f = out.features                                                # [L, B, n, K, r]
         cos = jnp.sum(f * codes[None], -1) / jnp.maximum(jnp.linalg.norm(f, axis=-1), 1e-6)
         misalign = jnp.sum(1.0 - cos, axis=0)                           # [B, n, K]
@@ -200,6 +252,14 @@ def drafter_loss(config: LossConfig, drafter: BlockDrafter, out: DraftOutput, la
     if out.gates is not None:  # equal-sized shards: the mean of the devices' means
         metrics["gate_mean"] = total(jnp.mean(out.gates)) / total(1.0)
     return share, metrics
+
+
+def _slot_stats(hidden, output_embedding, labels):
+    """(lse, label_logit, rank) [B, n, K] of hidden [B, n, K, D] against the lm_head, by
+    `lm_head_stats` (differentiable in hidden)."""
+    lead, d = hidden.shape[:-1], hidden.shape[-1]
+    stats = lm_head_stats(hidden.reshape(-1, d), output_embedding, labels.reshape(-1))
+    return tuple(x.reshape(lead) for x in stats)
 
 
 def refinement_candidates(source: str, frozen_logits, hidden, output_embedding, c: int):

@@ -15,13 +15,20 @@ reference (plain JAX, the documentation of what the kernels compute).
   drafter's hidden states and the lm_head, a running top-k over vocabulary tiles; Mosaic
   TPU kernel and a Hopper GPU kernel, Pallas Triton lowering, split over the vocabulary),
   then the C x C transition table and the chain walk in plain JAX (`dspine_proposal`).
+* `lm_head_stats` (folder `lm_head_stats/`): what a cross-entropy over an lm_head needs
+  (log-normaliser, the label's logit and its rank) from hidden states, without writing
+  the [R, V] logits out, differentiable in the hidden states (the backward recomputes the
+  logits one vocabulary chunk at a time); the drafters' training loss uses it. Mosaic TPU
+  and Hopper GPU (Pallas Triton lowering) forward kernels beside vocabulary chunks in
+  plain JAX.
 * `top_k` (module `top_k.py`): lax.top_k over long rows, exactly, split into chunks on a
   GPU when the rows are too few to fill it (XLA's TopK runs one thread block per row);
   the "xla" path of `vocab_top_k` and the engine's argmax and candidate top-k use it.
 """
 
 from .dspine_proposal import dspine_proposal, vocab_top_k, vocab_top_k_reference
+from .lm_head_stats import lm_head_stats, lm_head_stats_reference
 from .ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
 
 __all__ = ["ragged_paged_attention", "ragged_paged_attention_reference", "dspine_proposal",
-           "vocab_top_k", "vocab_top_k_reference"]
+           "vocab_top_k", "vocab_top_k_reference", "lm_head_stats", "lm_head_stats_reference"]

@@ -11,7 +11,8 @@ import optax
 import pytest
 from flax import nnx
 
-from dspine_jax.drafters.blocks import block_labels, sample_anchors, target_slot_logits
+from dspine_jax.drafters.blocks import (block_labels, sample_anchors, target_slot_hidden,
+                                        target_slot_logits)
 from dspine_jax.drafters.model import DraftOutput
 from dspine_jax.errors import ConfigError
 from dspine_jax.losses import (LossConfig, alignment_scale, drafter_loss, label_rank,
@@ -357,3 +358,78 @@ def test_per_device_loss_shares_add_up_to_the_whole_batch(target):
                              jax.tree.leaves(dev_grads)):
         np.testing.assert_allclose(np.asarray(dg).sum(0), g, rtol=1e-4, atol=1e-6,
                                    err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspine"])
+def test_fused_logits_give_the_dense_loss_metrics_and_gradients(target, kind):
+    """loss.logits = "fused" (lm_head_stats from the hidden states; the target's lse from
+    its slot hidden states) against "dense" ([B, n, K, V] logits and autodiff) on the same
+    batch: the loss, every metric and the gradient of every parameter agree."""
+    drafter = make(target, kind)
+    feats, anchors, labels, sup, tlogits, teacher = dspine_batch(target, drafter, (3, 9))
+    thidden = target_slot_hidden(target(TOKENS).final_hidden, anchors, K)
+    e_in, e_out = target.input_embedding(), target.output_embedding()
+    graph, params, rest = nnx.split(drafter, nnx.Param, ...)
+
+    def run(logits):
+        config = LossConfig(backbone="ce", top_k=4, alignment_warmup_steps=1, logits=logits,
+                            candidates="logits" if logits == "dense" else "auto"
+                            ).resolve(drafter.config)
+        assert config.fused_logits == (logits == "fused")
+
+        def loss(params):
+            model = nnx.merge(graph, params, rest)
+            out = model.forward_train(TOKENS, feats, anchors, e_in, e_out)
+            return drafter_loss(config, model, out, labels, sup,
+                                target_logits=tlogits if logits == "dense" else None,
+                                target_hidden=thidden if logits == "fused" else None,
+                                teacher_tokens=teacher, output_embedding=e_out, step=3)
+
+        return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+
+    (loss_d, m_d), g_d = run("dense")
+    (loss_f, m_f), g_f = run("fused")
+    assert float(loss_f) == pytest.approx(float(loss_d), rel=1e-5)
+    assert set(m_f) == set(m_d)
+    for name in m_d:
+        np.testing.assert_allclose(m_f[name], m_d[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    for (path, a), (_, b) in zip(nnx.to_flat_state(g_d), nnx.to_flat_state(g_f)):
+        np.testing.assert_allclose(b[...], a[...], rtol=2e-4, atol=1e-6,
+                                   err_msg=".".join(map(str, path)))
+
+
+def test_fused_logits_refuse_what_they_cannot_compute():
+    with pytest.raises(ConfigError, match="candidates"):
+        LossConfig(logits="fused", candidates="logits")
+    with pytest.raises(ConfigError, match="ce\\+l1"):
+        LossConfig(logits="fused", backbone="ce+l1")
+    with pytest.raises(ConfigError, match="default backbone"):
+        LossConfig(logits="fused").resolve(make_config("dspine"))
+    with pytest.raises(ConfigError, match="loss.logits"):
+        LossConfig(logits="sparse")
+    # auto is dense on the CPU and for an L1 backbone everywhere
+    assert not LossConfig(backbone="ce").resolve(make_config("dflash")).fused_logits
+    assert not LossConfig().resolve(make_config("dspine")).fused_logits
+
+
+def test_slot_metrics_do_not_depend_on_the_alignment_term(target):
+    """Per-slot accuracy is the drafter's argmax against the label whatever loss terms
+    run (the alignment term once shadowed the label ranks and zeroed it)."""
+    drafter = make(target, "dspine")
+    feats, anchors, labels, sup, tlogits, teacher = dspine_batch(target, drafter)
+    out = drafter.forward_train(TOKENS, feats, anchors, target.input_embedding(),
+                                target.output_embedding())
+    metrics = {}
+    for alignment in (False, True):
+        config = LossConfig(backbone="ce", top_k=4, alignment=alignment,
+                            alignment_warmup_steps=1).resolve(drafter.config)
+        metrics[alignment] = drafter_loss(config, drafter, out, labels, sup,
+                                          target_logits=tlogits, teacher_tokens=teacher,
+                                          output_embedding=target.output_embedding(),
+                                          step=3)[1]
+    correct = (np.argmax(np.asarray(out.logits), -1) == np.asarray(labels)) & np.asarray(sup)
+    want = correct.sum((0, 1)) / np.maximum(np.asarray(sup).sum((0, 1)), 1)
+    for alignment in (False, True):
+        np.testing.assert_allclose(metrics[alignment]["slot_accuracy"][1:], want[1:],
+                                   rtol=1e-6)
+    assert want[1:].max() > 0

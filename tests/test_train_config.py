@@ -38,7 +38,7 @@ def changed_values(cls, skip=()):
 def test_every_loss_and_dspine_field_is_settable_from_toml(tmp_path):
     loss = changed_values(LossConfig)
     loss.update(gamma=5.0, replacement_hold_ratio=0.1, replacement_end_ratio=0.2,
-                candidates="kernel")
+                candidates="kernel", logits="dense")
     dspine = changed_values(DSpineConfig)
     lines = ["[drafter]", 'kind = "dspine"', "[dspine]"]
     lines += [f"{k} = {json.dumps(v)}" for k, v in dspine.items()]

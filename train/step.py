@@ -10,7 +10,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from dspine_jax.drafters.blocks import (block_labels, predecessor_tokens, sample_anchors,
-                                        target_slot_logits)
+                                        target_slot_hidden, target_slot_logits)
 from dspine_jax.drafters.config import DrafterConfig
 from dspine_jax.losses import drafter_loss, teacher_replacement_probability
 from dspine_train import sharding
@@ -46,8 +46,12 @@ def make_step(cfg: TrainConfig, target_graph, drafter_graph, tx, loss_config,
                     final_hidden, anchors, valid, replace):
         """One device's rows [b, ...]: (the whole batch's gradient, its metrics)."""
         labels, supervised = block_labels(tokens, loss_mask, anchors, valid, k)
-        target_logits = (target_slot_logits(final_hidden.astype(e_out.dtype), anchors, k, e_out)
-                         if needs_target else None)
+        target_logits = target_hidden = None
+        if needs_target and loss_config.fused_logits:     # no [b, n, K, V] target logits
+            target_hidden = target_slot_hidden(final_hidden.astype(e_out.dtype), anchors, k)
+        elif needs_target:
+            target_logits = target_slot_logits(final_hidden.astype(e_out.dtype), anchors, k,
+                                               e_out)
         teacher = predecessor_tokens(tokens, anchors, k)
 
         def loss_fn(params):
@@ -61,7 +65,8 @@ def make_step(cfg: TrainConfig, target_graph, drafter_graph, tx, loss_config,
                                           replace=replace,
                                           replace_layers=loss_config.replacement_layers)
             return drafter_loss(loss_config, drafter, draft, labels, supervised,
-                                target_logits=target_logits, teacher_tokens=teacher,
+                                target_logits=target_logits, target_hidden=target_hidden,
+                                teacher_tokens=teacher,
                                 output_embedding=e_out, step=step, all_sum=all_sum)
 
         (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)

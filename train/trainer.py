@@ -53,12 +53,13 @@ from dspine_train.stopping import StopRequest
 
 
 def train(cfg: TrainConfig, *, progress: bool = True, trace_dir: Path | None = None,
-          trace_steps: int = 0) -> dict:
+          trace_steps: int = 0, analysis: dict | None = None) -> dict:
     """Train (or resume) and export the drafter; returns a summary.
 
     trace_dir: a jax.profiler trace of `trace_steps` steps after the compiling first one
     (on the H200 a trace that also covered the compilation held almost none of the
-    steps' kernels)."""
+    steps' kernels). analysis: a dict to fill with XLA's account of the compiled step
+    (`step_analysis`: FLOPs, bytes accessed, temporary memory)."""
     from tqdm import tqdm
 
     out = Path(cfg.run.out)
@@ -114,8 +115,8 @@ def train(cfg: TrainConfig, *, progress: bool = True, trace_dir: Path | None = N
             f"run.resume_from {source} was trained with another configuration",
             "a chain's links may change only run.out, run.steps, run.stop_after, "
             "run.max_seconds, run.log_every, run.checkpoint_every, run.keep_checkpoints, "
-            "mesh.* and drafter.init_from; start from its weights alone with --init-from "
-            "instead"))
+            "mesh.*, target.attention, loss.logits and drafter.init_from; start from its "
+            "weights alone with --init-from instead"))
         origin = {"start": "resume", "source": str(source)}
     elif is_run_folder(cfg.drafter.init_from):  # weights alone: fresh optimizer and step 0
         source = Path(cfg.drafter.init_from)
@@ -164,9 +165,11 @@ def train(cfg: TrainConfig, *, progress: bool = True, trace_dir: Path | None = N
                 back = np.argsort(order)
                 batch += [sharding.global_batch(np.asarray(a[mine[order]])[back], mesh)
                           for a in cached]
-            params, opt_state, step_arr, rng, metrics = step_fn(
-                target_params, rest, params, opt_state, jnp.asarray(step, jnp.int32), rng,
-                *batch)
+            args = (target_params, rest, params, opt_state, jnp.asarray(step, jnp.int32), rng,
+                    *batch)
+            if analysis is not None and not analysis:
+                analysis.update(step_analysis(step_fn, args))
+            params, opt_state, step_arr, rng, metrics = step_fn(*args)
             step += 1
             window_steps += 1
             bar.update(1)
@@ -228,6 +231,19 @@ def train(cfg: TrainConfig, *, progress: bool = True, trace_dir: Path | None = N
     return summary
 
 
+def step_analysis(step_fn, args) -> dict:
+    """XLA's account of the compiled step for these arguments (compiled once more, not
+    run): matmul and elementwise FLOPs, bytes its operations read and write after fusion
+    (an estimate of the memory traffic), and the temporary buffers it needs at its peak."""
+    compiled = step_fn.lower(*args).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    memory = compiled.memory_analysis()
+    return {"flops": float(cost.get("flops", 0.0)),
+            "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+            "temp_bytes": int(getattr(memory, "temp_size_in_bytes", 0))}
+
+
 def training_target_attention(cfg: TrainConfig) -> AttentionBackend:
     """The frozen target's attention backend for `target.attention`: "auto" is cuDNN's
     fused attention where it runs (a CUDA GPU, bf16/f16: 1.53x the training step's
@@ -258,9 +274,11 @@ def _resumable(cfg: TrainConfig) -> dict:
 
 
 # What the next link of a chain may change: where it writes and when it stops; run.steps
-# too (extending a chain: the schedule is laid over the new total from the current step).
+# too (extending a chain: the schedule is laid over the new total from the current step);
+# and how the same math runs (the target's attention, the loss's vocabulary path).
 CHAIN_FREE = {"run": ("out", "steps", "log_every", "checkpoint_every", "keep_checkpoints",
-                      "resume_from"), "drafter": ("init_from",), "target": ("attention",)}
+                      "resume_from"), "drafter": ("init_from",), "target": ("attention",),
+              "loss": ("logits",)}
 
 
 def _chain_key(config: dict) -> dict:

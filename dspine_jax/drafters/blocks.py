@@ -42,16 +42,23 @@ def block_labels(tokens: jax.Array, loss_mask: jax.Array, anchors: jax.Array,
     return labels, (run > 0) & (slot > 0)
 
 
-def target_slot_logits(final_hidden: jax.Array, anchors: jax.Array, block_size: int,
-                       output_embedding: jax.Array) -> jax.Array:
-    """The target's logits for each slot's token: its output at anchor + k - 1.
-    final_hidden [B, T, D] (after the target's final norm) -> [B, n, K, V] float32."""
-    b, t, _ = final_hidden.shape
+def target_slot_hidden(final_hidden: jax.Array, anchors: jax.Array,
+                       block_size: int) -> jax.Array:
+    """The target's final hidden state that predicts each slot's token: its output at
+    anchor + k - 1. final_hidden [B, T, D] (after the target's final norm) -> [B, n, K, D]."""
+    b, t, d = final_hidden.shape
     positions = jnp.clip(anchors[..., None] + jnp.arange(block_size) - 1, 0, t - 1)
     rows = jnp.take_along_axis(final_hidden, positions.reshape(b, -1)[..., None], axis=1)
-    logits = jnp.einsum("BQD,VD->BQV", rows, output_embedding.astype(rows.dtype),
-                        preferred_element_type=jnp.float32)
-    return logits.reshape(*positions.shape, -1)
+    return rows.reshape(*positions.shape, d)
+
+
+def target_slot_logits(final_hidden: jax.Array, anchors: jax.Array, block_size: int,
+                       output_embedding: jax.Array) -> jax.Array:
+    """The target's logits for each slot's token (`target_slot_hidden` against the
+    lm_head) -> [B, n, K, V] float32."""
+    rows = target_slot_hidden(final_hidden, anchors, block_size)
+    return jnp.einsum("BnKD,VD->BnKV", rows, output_embedding.astype(rows.dtype),
+                      preferred_element_type=jnp.float32)
 
 
 def predecessor_tokens(tokens: jax.Array, anchors: jax.Array, block_size: int) -> jax.Array:

@@ -1,0 +1,126 @@
+"""lm_head_stats' forward for NVIDIA GPUs (Hopper), written with Pallas's Triton lowering.
+
+R rows, D hidden, V vocab, BR/BV/BD row/vocab/hidden tiles, S vocabulary splits.
+
+The layout of `dspine_proposal/gpu.py`'s vocab_top_k: the grid is (ceil(R / BR), S) and
+program (i, s) owns BR rows and a contiguous run of vocabulary tiles of BV lm_head rows.
+For each tile it computes the [BR, BV] logits (float32 accumulation over D in BD-wide
+chunks) and folds them into a running max, sum of exp(logit - max) and count of entries
+before the row's label (greater, or equal at a lower id), all in registers. Each program
+writes its three partials per row; `common.combine` merges the S splits. The [R, V]
+logits never leave the chip. Splitting over the vocabulary keeps the whole GPU busy when
+R is small; at training's R (16,384 slots) S is 1-2 and the row tiles fill it.
+
+Compiled and timed only where a CUDA GPU is present (tests marked `gpu`); elsewhere the
+tests run it in Pallas interpret mode. The Triton lowering is deprecated in JAX 0.11 but
+still ships (see ragged_paged_attention/gpu.py for why these kernels use it).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+DEFAULT_SM_COUNT = 132          # H100/H200 SXM
+
+
+def _kernel(h_ref, e_ref, value_ref, label_ref, max_out, sum_out, count_out, *, vocab,
+            block_r, block_v, block_d, tiles_per_split, n_tiles, precision):
+    split = pl.program_id(1)
+    r0 = pl.program_id(0) * block_r
+    d = h_ref.shape[1]
+    lo = split * tiles_per_split
+    hi = jnp.minimum(n_tiles, lo + tiles_per_split)
+    col = lax.broadcasted_iota(jnp.int32, (1, block_v), 1)
+    value = value_ref[pl.ds(r0, block_r)][:, None]                    # [BR, 1]
+    label = label_ref[pl.ds(r0, block_r)][:, None]
+
+    def body(tile, carry):
+        top, total, count = carry
+        v0 = tile * block_v
+        rows = jnp.minimum(v0 + jnp.arange(block_v, dtype=jnp.int32), vocab - 1)
+
+        def chunk(j, acc):       # a loop: unrolled dots each take their own shared memory
+            d0 = pl.multiple_of(j * block_d, block_d)
+            h = h_ref[pl.ds(r0, block_r), pl.ds(d0, block_d)]         # [BR, BD]
+            e = e_ref[rows, pl.ds(d0, block_d)]                       # [BV, BD]
+            return acc + pltriton.dot(h, e.astype(h.dtype), trans_b=True,
+                                      precision=precision)
+
+        logits = lax.fori_loop(0, d // block_d, chunk,
+                               jnp.zeros((block_r, block_v), jnp.float32))
+        ids = v0 + col                                                # [1, BV]
+        logits = jnp.where(ids < vocab, logits, -jnp.inf)
+        new_top = jnp.maximum(top, logits.max(axis=1))                # finite: tile < V
+        total = total * jnp.exp(top - new_top) + jnp.exp(logits - new_top[:, None]).sum(1)
+        before = (logits > value) | ((logits == value) & (ids < label))
+        count = count + jnp.where(before & (ids != label), 1, 0).sum(axis=1)
+        return new_top, total, count
+
+    init = (jnp.full((block_r,), -jnp.inf, jnp.float32), jnp.zeros((block_r,), jnp.float32),
+            jnp.zeros((block_r,), jnp.int32))
+    top, total, count = lax.fori_loop(lo, hi, body, init)
+    max_out[...] = top
+    sum_out[...] = total
+    count_out[...] = count
+
+
+def default_config(r: int, d: int, vocab: int):
+    """(block_r, block_v, block_d, num_splits, num_warps, num_stages) for one shape."""
+    block_r = 64 if r >= 64 else max(16, 1 << max(0, (r - 1).bit_length()))
+    block_v = 128
+    block_d = next(b for b in (64, 32, 16) if d % b == 0)
+    n_tiles = -(-vocab // block_v)
+    sm_count = getattr(jax.devices()[0], "core_count", None) or DEFAULT_SM_COUNT
+    row_tiles = -(-r // block_r)
+    num_splits = max(1, min(n_tiles, -(-2 * sm_count // row_tiles)))
+    return block_r, block_v, block_d, num_splits, 4, 2
+
+
+def forward_gpu(hidden, weight, labels, value, *, interpret=False, block_r=None,
+                block_v=None, num_splits=None, num_warps=None, num_stages=None):
+    """Partials ([S, R] max, [S, R] sum, [S, R] count) for `common.combine`."""
+    r, d = hidden.shape
+    vocab = weight.shape[0]
+    if d % 16:
+        raise ValueError(f"lm_head_stats: implementation='pallas_gpu' needs D % 16 == 0, "
+                         f"got {d}")
+    cfg = default_config(r, d, vocab)
+    block_r = block_r or cfg[0]
+    block_v = block_v or cfg[1]
+    block_d = cfg[2]
+    n_tiles = -(-vocab // block_v)
+    num_splits = min(num_splits or cfg[3], n_tiles)
+    tiles_per_split = -(-n_tiles // num_splits)
+    num_splits = -(-n_tiles // tiles_per_split)      # every split runs at least one tile
+    row_tiles = -(-r // block_r)
+    pad = row_tiles * block_r - r
+    h = jnp.pad(hidden, ((0, pad), (0, 0)))
+    value = jnp.pad(value, (0, pad))
+    labels = jnp.pad(labels.astype(jnp.int32), (0, pad))
+    precision = lax.Precision.HIGHEST if hidden.dtype == jnp.float32 else None
+    kernel = functools.partial(_kernel, vocab=vocab, block_r=block_r, block_v=block_v,
+                               block_d=block_d, tiles_per_split=tiles_per_split,
+                               n_tiles=n_tiles, precision=precision)
+    whole = pl.no_block_spec
+    out_spec = pl.BlockSpec((None, block_r), lambda i, s: (s, i))
+    shape = (num_splits, row_tiles * block_r)
+    maxes, sums, counts = pl.pallas_call(
+        kernel,
+        grid=(row_tiles, num_splits),
+        in_specs=[whole, whole, whole, whole],
+        out_specs=[out_spec, out_spec, out_spec],
+        out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32),
+                   jax.ShapeDtypeStruct(shape, jnp.float32),
+                   jax.ShapeDtypeStruct(shape, jnp.int32)],
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps or cfg[4],
+                                                num_stages=num_stages or cfg[5]),
+        interpret=interpret,
+        name="lm_head_stats",
+    )(h, weight, value, labels)
+    return maxes[:, :r], sums[:, :r], counts[:, :r]
