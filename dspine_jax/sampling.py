@@ -133,6 +133,70 @@ def warp_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
     return jnp.where(scaled >= _sorted_threshold(scaled, params), scaled, -jnp.inf)
 
 
+# Candidates per round of `_searched_threshold`: 8 rounds of 16 split the 32-bit keys.
+SEARCH_WAYS = 16
+
+
+def _searched_threshold(scaled: jax.Array, params: SamplingParams) -> jax.Array:
+    """`_sorted_threshold`'s value [B, ...] without a sort or data-dependent control flow:
+    two searches over the order-preserving uint32 keys of the scaled logits, each a fixed
+    8 rounds of a SEARCH_WAYS-way split, each round one masked reduction over the
+    vocabulary ([R, SEARCH_WAYS - 1, V] compares, fused).
+
+    1. t_k, the k-th largest value (repeats counted): the largest key t with
+       count(keys >= t) >= k; the whole row's minimum without top-k.
+    2. The softmax over the top-k set: every entry above t_k and (k - their count) copies
+       of t_k, as the sorted warp's first k ranks.
+    3. The kept set is a prefix of the sorted order: the threshold is the smallest value
+       t >= t_k whose higher entries hold less than top_p of that mass (an entry's
+       "mass before it" is the mass of the entries greater than its value); one past the
+       largest key in [t_k, max) whose higher entries hold at least top_p, else t_k
+       (top_p >= 1 counts as disabled, as in `warp_threshold`).
+    Masked sums round differently from the sorted cumsum, as in `warp_threshold`'s
+    selection path: a token within float32 rounding of top_p can fall either side."""
+    vocab = scaled.shape[-1]
+    lead = scaled.shape[:-1]
+    flat = scaled.reshape(-1, vocab)                                   # [R, V]
+    row = lambda x: jnp.broadcast_to(_per_row(x, len(lead)), lead).reshape(-1)  # noqa: E731
+    k = row(jnp.where(params.top_k > 0, jnp.minimum(params.top_k, vocab), vocab))
+    top_p = row(params.top_p)
+    keys = _ordered(flat)                                              # [R, V] uint32
+    lo, hi = jnp.min(keys, -1), jnp.max(keys, -1)
+    t_k = _largest_where(lambda c: jnp.sum(keys[:, None, :] >= c[:, :, None], -1) >= k[:, None],
+                         lo, hi)
+    top = jnp.max(flat, -1, keepdims=True)
+    e = jnp.exp(flat - top)                                            # [R, V]
+    above = keys > t_k[:, None]
+    mass = jnp.sum(jnp.where(above, e, 0.0), -1)
+    z = mass + (k - jnp.sum(above, -1)) * jnp.exp(_unordered(t_k) - top[:, 0])
+    heavy = lambda c: (jnp.sum(jnp.where(keys[:, None, :] > c[:, :, None], e[:, None, :], 0.0),  # noqa: E731
+                               -1) >= (top_p * z)[:, None])
+    last_heavy = _largest_where(heavy, t_k, hi)
+    tau = jnp.where((top_p < 1) & (mass >= top_p * z), last_heavy + 1, t_k)  # 1: off
+    return _unordered(tau).reshape(lead)
+
+
+def _largest_where(pred, lo: jax.Array, hi: jax.Array) -> jax.Array:
+    """[R] uint32: the largest u in [lo, hi] with pred(u), for pred monotone (true, then
+    false) and true at lo; pred maps candidates [R, W] to [R, W] bool. Fixed rounds of a
+    SEARCH_WAYS-way split (unrolled: no loop for a GPU to wait on)."""
+    ways = jnp.arange(1, SEARCH_WAYS, dtype=jnp.uint32)
+    for _ in range(math.ceil(32 / math.log2(SEARCH_WAYS))):
+        width = hi - lo
+        step = width // SEARCH_WAYS + 1
+        cand = lo[:, None] + jnp.minimum(ways[None, :] * step[:, None], width[:, None])
+        ok = pred(cand)
+        lo = jnp.max(jnp.where(ok, cand, lo[:, None]), -1)
+        hi = jnp.min(jnp.where(ok, hi[:, None], cand - 1), -1)
+    return lo
+
+
+def warp_search() -> bool:
+    """Whether the branch-free warp finds its threshold by `_searched_threshold` instead
+    of a sort of the vocabulary (DSPINE_WARP_SEARCH=1; off until timed on a GPU)."""
+    return os.environ.get("DSPINE_WARP_SEARCH", "0") == "1"
+
+
 def branch_free() -> bool:
     """Whether to trace selections without data-dependent control flow: on a GPU each
     `lax.cond` or `fori_loop` step in a decode step waits for the host to read its
@@ -174,8 +238,9 @@ def warp_threshold(scaled: jax.Array, params: SamplingParams,
         return jnp.full(lead, -jnp.inf, jnp.float32)
     if branch_free():
         on = (params.temperature > 0) & ((params.top_p < 1) | (params.top_k > 0))
-        return jnp.where(_per_row(on, nd - 1), _sorted_threshold(scaled, params)[..., 0],
-                         -jnp.inf)
+        found = (_searched_threshold(scaled, params) if warp_search()
+                 else _sorted_threshold(scaled, params)[..., 0])
+        return jnp.where(_per_row(on, nd - 1), found, -jnp.inf)
     row = lambda x: jnp.broadcast_to(_per_row(x, nd - 1), lead).reshape(-1)  # noqa: E731
     k_eff = row(jnp.where(params.top_k > 0, jnp.minimum(params.top_k, vocab), vocab))
     top_p = row(params.top_p)

@@ -25,12 +25,22 @@ WARPS = [(1.0, 1.0, 0), (0.7, 0.9, 0), (1.3, 1.0, 5), (0.5, 0.5, 10), (1.0, 0.3,
          (2.0, 0.95, 1), (3.0, 0.999, 0), (1.0, 1.0, 300)]
 
 
-@pytest.fixture(params=[False, True], ids=["selection", "branch-free"])
+WARP_PATHS = ["selection", "sort", "search"]
+
+
+def use_warp_path(monkeypatch, path: str) -> bool:
+    """Make `warp_threshold` find its set one way: the CPU's partial top-k and bisection
+    ("selection"), or with no data-dependent control flow as on a GPU, by a sort of the
+    vocabulary ("sort") or the sort-free search (DSPINE_WARP_SEARCH=1, "search").
+    Returns whether the path is branch-free."""
+    monkeypatch.setattr("dspine_jax.sampling.branch_free", lambda: path != "selection")
+    monkeypatch.setenv("DSPINE_WARP_SEARCH", "1" if path == "search" else "0")
+    return path != "selection"
+
+
+@pytest.fixture(params=WARP_PATHS)
 def branch_free(request, monkeypatch):
-    """Both ways `warp_threshold` finds the set: the CPU's partial top-k and bisection,
-    and the GPU's sort with no data-dependent control flow."""
-    monkeypatch.setattr("dspine_jax.sampling.branch_free", lambda: request.param)
-    return request.param
+    return use_warp_path(monkeypatch, request.param)
 
 
 @pytest.mark.parametrize("caps", [(64, 1024), (4, 16), (2,)], ids=["default", "small", "tiny"])
@@ -118,8 +128,12 @@ def warped64(logits, warp):
     return np.stack([reference_probs(row, *warp) for row in np.asarray(logits, np.float64)])
 
 
+@pytest.mark.parametrize("path", WARP_PATHS)
 @pytest.mark.parametrize("warp", [(1.0, 1.0, 0), (0.8, 0.9, 6)], ids=["T1", "T0.8-p0.9-k6"])
-def test_rule_with_a_marginal_proposal_has_the_exact_law(warp):
+def test_rule_with_a_marginal_proposal_has_the_exact_law(warp, path, monkeypatch):
+    if warp[1:] == (1.0, 0) and path != "selection":
+        pytest.skip("an unfiltered warp has no threshold to find")
+    use_warp_path(monkeypatch, path)
     rng = np.random.default_rng(7)
     target_logits = jnp.asarray(rng.normal(size=(S + 1, V)) * 1.5, jnp.float32)
     draft_logits = jnp.asarray(rng.normal(size=(S, V)) * 1.5, jnp.float32)
@@ -234,3 +248,21 @@ def test_sampled_sparse_path_sorts_no_vocabulary():
     proposal = sample_marginal(draft, sampling, key)
     assert not _vocab_sorts(lambda p, x: verify_logits(p, x, sampling, key), proposal, target,
                             vocab=vocab)
+
+
+def test_sort_free_search_traces_no_sort_and_no_loop(monkeypatch):
+    """DSPINE_WARP_SEARCH=1 on the branch-free path: the threshold of a top-p/top-k warp
+    with no vocabulary sort and no while loop (a loop step would wait on the host on a
+    GPU), and the same kept set as the sort on exact ties."""
+    vocab = 3000
+    logits = jnp.asarray(np.random.default_rng(3).integers(-4, 4, size=(2, 3, vocab)),
+                         jnp.float32)
+    for top_k in (0, 40, 2999):
+        sampling = SamplingParams.create(2, 0.8, 0.9, top_k)
+        fn = lambda x: warp_threshold(x, sampling)  # noqa: E731
+        use_warp_path(monkeypatch, "search")
+        assert not _vocab_sorts(fn, logits, vocab=vocab)
+        assert " while(" not in jax.jit(fn).lower(logits).compile().as_text()
+        got = np.asarray(fn(logits))
+        use_warp_path(monkeypatch, "sort")
+        np.testing.assert_array_equal(got, np.asarray(fn(logits)))   # the same value
