@@ -162,15 +162,19 @@ def _searched_threshold(scaled: jax.Array, params: SamplingParams) -> jax.Array:
     top_p = row(params.top_p)
     keys = _ordered(flat)                                              # [R, V] uint32
     lo, hi = jnp.min(keys, -1), jnp.max(keys, -1)
-    t_k = _largest_where(lambda c: jnp.sum(keys[:, None, :] >= c[:, :, None], -1) >= k[:, None],
-                         lo, hi)
+    def enough(c):        # [R, W] candidates: at least k entries at or above each
+        return jnp.sum(keys[:, None, :] >= c[:, :, None], -1) >= k[:, None]
+
+    t_k = _largest_where(enough, lo, hi)
     top = jnp.max(flat, -1, keepdims=True)
     e = jnp.exp(flat - top)                                            # [R, V]
     above = keys > t_k[:, None]
     mass = jnp.sum(jnp.where(above, e, 0.0), -1)
     z = mass + (k - jnp.sum(above, -1)) * jnp.exp(_unordered(t_k) - top[:, 0])
-    heavy = lambda c: (jnp.sum(jnp.where(keys[:, None, :] > c[:, :, None], e[:, None, :], 0.0),  # noqa: E731
-                               -1) >= (top_p * z)[:, None])
+    def heavy(c):         # the entries above each candidate hold at least top_p
+        above_c = jnp.where(keys[:, None, :] > c[:, :, None], e[:, None, :], 0.0)
+        return jnp.sum(above_c, -1) >= (top_p * z)[:, None]
+
     last_heavy = _largest_where(heavy, t_k, hi)
     tau = jnp.where((top_p < 1) & (mass >= top_p * z), last_heavy + 1, t_k)  # 1: off
     return _unordered(tau).reshape(lead)
