@@ -316,6 +316,10 @@ def data_regenerate(
     num_pages: Optional[int] = options.num_pages(
         "--batch-size x the pages of --max-prompt-tokens + --max-new-tokens, so no response "
         "is ever preempted. --engine slots only; it changes the speed, not the data."),
+    max_seconds: Optional[float] = typer.Option(
+        None, "--max-seconds", min=0, metavar="S",
+        help="Stop once a shard lands S seconds after the start (loading and compiling "
+             "included); rerun the same command to continue."),
 ):
     """Regenerate responses with the target itself: the drafters' training data."""
     try:
@@ -334,7 +338,7 @@ def data_regenerate(
                               temperatures=temps, samples_per_prompt=samples_per_prompt,
                               top_p=top_p, seed=seed, batch_size=batch_size,
                               shard_size=shard_size, dtype=dtype, engine=engine,
-                              num_pages=num_pages)
+                              num_pages=num_pages, max_seconds=max_seconds)
     except DSpineError as e:
         _fail(e)
     shards = [s for s in manifest["shards"] if s["file"]]
@@ -347,6 +351,10 @@ def data_regenerate(
                f"skipped as longer than {max_prompt_tokens} tokens, "
                f"{manifest['truncated_prompts']} cut to fit "
                f"({manifest['dropped_context_turns']} context turns dropped)")
+    if not manifest["complete"]:
+        done = sum(s["prompts"] for s in manifest["shards"])
+        typer.echo(f"stopped at --max-seconds after {done} prompts; rerun the same command "
+                   f"to continue")
 
 
 @data_app.command("features", short_help="Cache the target's features for a config.")

@@ -209,6 +209,33 @@ def test_temperatures_samples_resume_and_refusal(tiny, tmp_path, monkeypatch):
         regen.regenerate(tmp_path / "x", **{**kw, "turns": "all"})
 
 
+
+@pytest.mark.parametrize("engine", ["batch", "slots"])
+def test_max_seconds_stops_after_a_shard_and_the_rerun_completes(tiny, tmp_path, monkeypatch,
+                                                                 engine):
+    """A time-bounded run stops once a shard lands past max_seconds (here: the first),
+    says so in its manifest, and the same command without the bound finishes the same
+    data an unbounded run makes."""
+    from dspine_jax.api import Pipeline
+    import dspine_train.regenerate as regen
+
+    pipe = Pipeline.load(str(tiny / "model"))
+    monkeypatch.setattr(Pipeline, "load", classmethod(lambda cls, *a, **k: pipe))
+    kw = dict(target=str(tiny / "model"), source=str(tiny / "prompts.jsonl"),
+              max_new_tokens=6, max_prompt_tokens=80, temperatures=[0.0, 1.0],
+              batch_size=4, shard_size=2, engine=engine)
+    whole = regen.regenerate(tmp_path / "whole", **kw)
+    assert whole["complete"] and len(whole["shards"]) == 3
+    part = regen.regenerate(tmp_path / "part", **kw, max_seconds=1e-9)
+    assert not part["complete"] and len(part["shards"]) == 1
+    assert not read_manifest(tmp_path / "part")["complete"]
+    rest = regen.regenerate(tmp_path / "part", **kw)
+    assert rest["complete"] and len(rest["shards"]) == 3
+    assert [s.tokens.tolist() for s in load_dataset(tmp_path / "part")] == \
+        [s.tokens.tolist() for s in load_dataset(tmp_path / "whole")]
+    with pytest.raises(InputError, match="max_seconds"):
+        regen.regenerate(tmp_path / "x", **kw, max_seconds=0)
+
 def test_slot_engine_gives_each_response_its_own_seed(tiny, tmp_path, monkeypatch):
     """Continuous batching: a response does not depend on the responses decoded beside
     it, and T = 0 is the target's greedy answer."""

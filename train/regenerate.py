@@ -76,11 +76,15 @@ def regenerate(out: Path, *, target: str, source: str = "sharegpt", turns: str =
                max_prompt_tokens: int = 512, temperatures: list[float] = (0.0,),
                samples_per_prompt: int = 1, top_p: float = 1.0, seed: int = 0,
                batch_size: int = 32, shard_size: int = 256, dtype: str = "auto",
-               engine: str = "batch", num_pages: int | None = None) -> dict:
+               engine: str = "batch", num_pages: int | None = None,
+               max_seconds: float | None = None) -> dict:
     """num_pages: the slot engine's KV page pool (see `slot_engine`); it and batch_size
-    change the speed of `engine="slots"`, never its data."""
+    change the speed of `engine="slots"`, never its data. max_seconds: stop once a shard
+    lands this long after the call began (loading and compiling included); the manifest
+    then says `complete: false` and the same call resumes at the next shard."""
     from dspine_jax.api import Pipeline
 
+    began = time.perf_counter()
     out = Path(out)
     temperatures = [float(t) for t in temperatures]
     if not temperatures or len(set(temperatures)) != len(temperatures):
@@ -92,6 +96,8 @@ def regenerate(out: Path, *, target: str, source: str = "sharegpt", turns: str =
                          "engine='slots'")
     if samples_per_prompt < 1:
         raise InputError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
+    if max_seconds is not None and not max_seconds > 0:
+        raise InputError(f"max_seconds must be positive, got {max_seconds!r}")
     settings = dict(format=FORMAT, target=target, source=source, turns=turns, limit=limit,
                     max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
                     temperatures=temperatures, samples_per_prompt=samples_per_prompt,
@@ -152,8 +158,13 @@ def regenerate(out: Path, *, target: str, source: str = "sharegpt", turns: str =
                                        seconds=round(seconds, 3), **chunk.counts))
         for key, value in chunk.counts.items():
             manifest[key] += value
+        done += chunk.prompts
+        manifest["complete"] = done >= len(prompts)
         write_manifest(out, manifest)
+        if max_seconds is not None and time.perf_counter() - began >= max_seconds:
+            break              # the shards in flight are dropped; a rerun redoes them
     progress.close()
+    manifest["complete"] = done >= len(prompts)
     return manifest
 
 

@@ -12,6 +12,8 @@
 #   MAX_NEW=1024  MAX_PROMPT=512  REGEN_BATCH=512 (rows or slots)  SHARD=1024
 #   ENGINE=slots (continuous batching) or batch (static batches)  NUM_PAGES= (slots: the
 #   shared KV page pool; default every slot at MAX_PROMPT + MAX_NEW, never preempted)
+#   DATA_SECONDS=0 (>0: the data stage stops once a shard lands past this many seconds;
+#   rerun to continue)
 #   KINDS="dflash dspine-ce-no-alignment"  STEPS=15000 (the whole chain)  LINK=2000 (steps
 #   per link)  LINK_SECONDS=0 (>0: a link also stops, checkpointed, after this long)
 #   LINKS_PER_CALL=0 (>0: run at most this many links, then exit: one call per link)
@@ -30,6 +32,7 @@ MAX_PROMPT=${MAX_PROMPT:-512}
 REGEN_BATCH=${REGEN_BATCH:-512}
 SHARD=${SHARD:-1024}
 ENGINE=${ENGINE:-slots}
+DATA_SECONDS=${DATA_SECONDS:-0}
 KINDS=${KINDS:-"dflash dspine-ce-no-alignment"}
 STEPS=${STEPS:-15000}
 LINK=${LINK:-2000}
@@ -51,7 +54,8 @@ stage_data() {
     --temperatures "$TEMPERATURES" --samples-per-prompt "$SAMPLES" \
     --max-new-tokens "$MAX_NEW" --max-prompt-tokens "$MAX_PROMPT" \
     --batch-size "$REGEN_BATCH" --shard-size "$SHARD" --engine "$ENGINE" \
-    ${NUM_PAGES:+--num-pages "$NUM_PAGES"}
+    ${NUM_PAGES:+--num-pages "$NUM_PAGES"} \
+    $( ((DATA_SECONDS > 0)) && echo --max-seconds "$DATA_SECONDS")
 }
 
 summary_field() {  # summary_field RUN_DIR KEY: a field of the run's summary.json
