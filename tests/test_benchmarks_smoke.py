@@ -106,3 +106,17 @@ def test_the_timed_ops_match_the_torch_references():
     np.testing.assert_array_equal(np.asarray(next_token), nxt.numpy())
     # the block is rejected where the benchmark perturbed the draft (slot K // 2)
     assert (kept.numpy() <= TINY["k"] // 2).all()
+
+
+def test_loss_kernels_cpu_run_times_every_variant_and_they_agree(tmp_path):
+    """benchmarks/loss_kernels.py on the CPU's tiny shape: a forward and a forward +
+    backward row for the dense logits, each xla chunk size and the interpreted Pallas
+    forward, all giving the dense CE."""
+    from dspine_benchmarks import loss_kernels
+
+    out = tmp_path / "loss.jsonl"
+    loss_kernels.main(["--chunks", "1024", "--iters", "1", "--repeats", "1", "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {(r["variant"], r["backward"]) for r in rows} == {
+        (v, b) for v in ("dense", "xla:1024", "pallas_gpu") for b in (False, True)}
+    assert all(r["shape"] == "tiny" and r["us"] > 0 and r["rel_diff"] < 1e-5 for r in rows)
