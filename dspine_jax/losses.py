@@ -173,6 +173,9 @@ def drafter_loss(config: LossConfig, drafter: BlockDrafter, out: DraftOutput, la
     total_w = jnp.maximum(total(jnp.sum(w)), 1e-9)
     weighted = lambda x: total(jnp.sum(x * w)) / total_w  # noqa: E731  (a metric)
     fused = config.fused_logits
+    if not fused and out.logits is None:
+        raise ValueError("the dense loss needs the drafter's logits: "
+                         "forward_train(..., logits=True)")
     num_candidates = min(config.top_k, output_embedding.shape[0] if fused
                          else out.logits.shape[-1])
     if fused:       # no [B, n, K, V] tensor: the statistics from the hidden states

@@ -379,7 +379,8 @@ def test_fused_logits_give_the_dense_loss_metrics_and_gradients(target, kind):
 
         def loss(params):
             model = nnx.merge(graph, params, rest)
-            out = model.forward_train(TOKENS, feats, anchors, e_in, e_out)
+            out = model.forward_train(TOKENS, feats, anchors, e_in, e_out,
+                                      logits=logits == "dense")
             return drafter_loss(config, model, out, labels, sup,
                                 target_logits=tlogits if logits == "dense" else None,
                                 target_hidden=thidden if logits == "fused" else None,

@@ -268,6 +268,37 @@ def test_cached_features_train_like_online_ones(workspace, tmp_path):
         np.testing.assert_allclose(b[name], a[name], atol=2e-4, err_msg=name)
 
 
+
+@pytest.mark.parametrize("kind", ["dflash", "dspine"])
+def test_fused_loss_trains_like_the_dense_one(workspace, tmp_path, kind):
+    """`dspine train` with loss.logits = fused (lm_head_stats, no [B, n, K, V] logits) and
+    dense, the shipped CE recipe: the same logged losses and nearly the same drafter; and
+    a chain link may switch between them."""
+    runs = {}
+    for logits in ("dense", "fused"):
+        out = tmp_path / logits
+        (tmp_path / f"{logits}.toml").write_text(config_text(
+            workspace, out, steps=4, drafter={"kind": kind},
+            loss={"backbone": "ce", "alignment": False, "logits": logits,
+                  "candidates": "logits" if logits == "dense" else "kernel"}))
+        result = run_cli("train", "--config", str(tmp_path / f"{logits}.toml"))
+        assert result.exit_code == 0, result.output
+        rows = (out / "metrics.csv").read_text().splitlines()
+        header = rows[0].split(",")
+        runs[logits] = [[float(r.split(",")[header.index(c)]) for r in rows[1:]]
+                        for c in ("loss", "coverage")]
+    np.testing.assert_allclose(runs["fused"], runs["dense"], rtol=1e-4)
+    a, b = drafter_tensors(tmp_path / "dense"), drafter_tensors(tmp_path / "fused")
+    for name in a:
+        np.testing.assert_allclose(b[name], a[name], rtol=1e-3, atol=1e-5, err_msg=name)
+    from dspine_train.trainer import _chain_key
+    configs = [json.loads((tmp_path / name / "config.json").read_text())
+               for name in ("dense", "fused")]
+    for c in configs:      # what differs besides the vocabulary path: where they write
+        c["run"].pop("out")
+        c["loss"].pop("candidates")
+    assert _chain_key(configs[0]) == _chain_key(configs[1])
+
 def test_sigterm_or_deadline_checkpoints_and_stops(workspace, tmp_path):
     import os
     import signal

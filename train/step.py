@@ -63,7 +63,8 @@ def make_step(cfg: TrainConfig, target_graph, drafter_graph, tx, loss_config,
             drafter.dtype = compute_dtype
             draft = drafter.forward_train(tokens, features, anchors, e_in, e_out,
                                           replace=replace,
-                                          replace_layers=loss_config.replacement_layers)
+                                          replace_layers=loss_config.replacement_layers,
+                                          logits=not loss_config.fused_logits)
             return drafter_loss(loss_config, drafter, draft, labels, supervised,
                                 target_logits=target_logits, target_hidden=target_hidden,
                                 teacher_tokens=teacher,

@@ -45,7 +45,8 @@ class TransferBasis(nnx.Variable):
 
 @struct.dataclass
 class DraftOutput:
-    logits: jax.Array                 # [B, n, K, V] float32 base logits (slot 0 unused)
+    logits: jax.Array | None          # [B, n, K, V] float32 base logits (slot 0 unused);
+                                      # None when not asked for (a fused training loss)
     hidden: jax.Array                 # [B, n, K, D] after the final norm
     pre_injection: jax.Array | None   # [B, n, K, D] last layer, before its injection (DSpine)
     features: jax.Array | None        # [L, B, n, K, r] phi_l after each injection (DSpine)
@@ -167,7 +168,7 @@ class BlockDrafter(nnx.Module):
         return jnp.concatenate([ctx, jnp.broadcast_to(inside, (b, n * k, n * k))], -1)
 
     def _run(self, x, metadata, attention, ctx, anchor_tokens, output_embedding,
-             teacher_tokens=None, replace=None, replace_layers=0):
+             teacher_tokens=None, replace=None, replace_layers=0, with_logits=True):
         """The layer stack. x [B, n, K, D]; metadata for the n*K block queries; ctx: per
         layer the context (pages, or dense (k, v)).
 
@@ -190,7 +191,8 @@ class BlockDrafter(nnx.Module):
                     gates.append(jnp.mean(gate[:, :, 1:]))
                 features.append(self.injection.feature(i, h))
         final = self.norm(h)
-        logits = einsum_f32("BnKD,VD->BnKV", final, output_embedding.astype(final.dtype))
+        logits = (einsum_f32("BnKD,VD->BnKV", final, output_embedding.astype(final.dtype))
+                  if with_logits else None)
         return DraftOutput(
             logits=logits, hidden=final, pre_injection=pre_injection,
             features=jnp.stack(features) if features else None,
@@ -212,12 +214,14 @@ class BlockDrafter(nnx.Module):
     # ----- training ---------------------------------------------------------------------------
     def forward_train(self, tokens, features, anchors, input_embedding, output_embedding,
                       *, replace=None, replace_layers=0,
-                      attention: AttentionBackend | None = None) -> DraftOutput:
+                      attention: AttentionBackend | None = None,
+                      logits: bool = True) -> DraftOutput:
         """All blocks of each sequence in one pass.
 
         tokens [B, T]; features [B, T, F] target features at every position; anchors
         [B, n] block start positions. Block j covers anchors[j] .. anchors[j] + K - 1 and
-        sees context positions < anchors[j]."""
+        sees context positions < anchors[j]. logits=False leaves out the [B, n, K, V]
+        logits (a loss that reads only the final hidden states)."""
         b, t = tokens.shape
         k = self.config.block_size
         fused = self.fuse(features)
@@ -233,7 +237,8 @@ class BlockDrafter(nnx.Module):
                            attention or XlaBackend(), ctx_kv, anchor_tokens,
                            output_embedding,
                            teacher_tokens=predecessor_tokens(tokens, anchors, k),
-                           replace=replace, replace_layers=replace_layers)
+                           replace=replace, replace_layers=replace_layers,
+                           with_logits=logits)
         return out
 
     # ----- inference --------------------------------------------------------------------------
