@@ -53,8 +53,9 @@ class LossConfig:
     # "fused" takes the CE, the label's rank and the target's log-normaliser straight from
     # the hidden states with `pallas_kernels.lm_head_stats` (a kernel on a GPU or TPU,
     # vocabulary chunks elsewhere; no [B, n, K, V] tensor), for a CE backbone with the
-    # refinement's candidates from the kernel; "auto": "fused" where that holds on a GPU
-    # or TPU, else "dense" (a CPU pays for the fused backward's second product)
+    # refinement's candidates from the kernel; "auto": "dense" for now (on a CPU the fused
+    # backward's second product costs more than it saves; on a GPU or TPU "fused" waits to
+    # be timed before it becomes the default)
     logits: str = "auto"
     candidate_mass_threshold: float = 1e-4
     alignment: bool = True             # [switch] layer-wise output-embedding supervision
@@ -124,11 +125,8 @@ class LossConfig:
     @property
     def fused_logits(self) -> bool:
         """Whether the loss takes its vocabulary statistics from `lm_head_stats` (the
-        `logits` field, "auto" decided for this backend); resolved configs only."""
-        if self.logits != "auto":
-            return self.logits == "fused"
-        return (self.backbone == "ce" and self.candidates != "logits"
-                and jax.default_backend() in ("gpu", "tpu"))
+        `logits` field; "auto" is "dense")."""
+        return self.logits == "fused"
 
 
 def slot_weights(block_size: int, gamma: float) -> jax.Array:

@@ -408,9 +408,10 @@ def test_fused_logits_refuse_what_they_cannot_compute():
         LossConfig(logits="fused").resolve(make_config("dspine"))
     with pytest.raises(ConfigError, match="loss.logits"):
         LossConfig(logits="sparse")
-    # auto is dense on the CPU and for an L1 backbone everywhere
+    # auto is dense (fused is asked for)
     assert not LossConfig(backbone="ce").resolve(make_config("dflash")).fused_logits
     assert not LossConfig().resolve(make_config("dspine")).fused_logits
+    assert LossConfig(backbone="ce", logits="fused").resolve(make_config("dspine")).fused_logits
 
 
 def test_slot_metrics_do_not_depend_on_the_alignment_term(target):
