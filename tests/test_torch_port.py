@@ -275,8 +275,12 @@ def test_jax_side_reproduces_the_golden_records(kind):
     fresh = records(kind=kind)
     gold = golden(kind)
     assert fresh.keys() == gold.keys()
+    # Tighter than the cross-framework tolerance, looser than float32 noise across
+    # machines: XLA's CPU code rounds differently by processor (up to 1.3e-5 seen on
+    # logits made elsewhere); the exact fields (tokens, candidates, accepted lengths) stay
+    # exact.
     for i in range(len(PROMPTS)):
-        assert_records_agree(unpack(fresh, i), unpack(gold, i), tolerance=1e-5)
+        assert_records_agree(unpack(fresh, i), unpack(gold, i), tolerance=5e-5)
 
 
 def export(tmp_path, source, *extra):
