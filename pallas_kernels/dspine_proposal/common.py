@@ -9,9 +9,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ..vocab_tiles import check_hidden_weight
+
 OP = "vocab_top_k"
 IMPLEMENTATIONS = ("auto", "xla", "pallas_tpu", "pallas_gpu")
-DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
 def next_pow2(x: int) -> int:
@@ -25,15 +26,9 @@ def check_inputs(hidden, weight, k, implementation) -> None:
 
     if implementation not in IMPLEMENTATIONS:
         fail(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-    if hidden.ndim != 2 or weight.ndim != 2:
-        fail(f"hidden must be [R, D] and weight [V, D], got {hidden.shape} and {weight.shape}")
-    if hidden.shape[1] != weight.shape[1]:
-        fail(f"hidden width {hidden.shape[1]} differs from weight width {weight.shape[1]}")
+    check_hidden_weight(OP, hidden, weight)
     if not isinstance(k, int) or not 1 <= k <= weight.shape[0]:
         fail(f"k must be an int in 1..V={weight.shape[0]}, got {k!r}")
-    for name, x in (("hidden", hidden), ("weight", weight)):
-        if jnp.dtype(x.dtype) not in DTYPES:
-            fail(f"{name} dtype must be bfloat16 or float32, got {x.dtype}")
 
 
 def merge_top_k(run_v, run_i, tile_v, tile_i, kp: int):

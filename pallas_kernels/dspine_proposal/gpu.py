@@ -33,16 +33,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from ..vocab_tiles import gpu_grid_config, gpu_tile_logits
 from .common import merge_top_k, next_pow2
 
-DEFAULT_SM_COUNT = 132          # H100/H200 SXM
 
 
 def _kernel(h_ref, e_ref, v_out, i_out, *, vocab, block_r, block_v, block_d, kp,
             tiles_per_split, n_tiles, precision):
     split = pl.program_id(1)
     r0 = pl.program_id(0) * block_r
-    d = h_ref.shape[1]
     lo = split * tiles_per_split
     hi = jnp.minimum(n_tiles, lo + tiles_per_split)
     col = lax.broadcasted_iota(jnp.int32, (1, block_v), 1)
@@ -51,20 +50,9 @@ def _kernel(h_ref, e_ref, v_out, i_out, *, vocab, block_r, block_v, block_d, kp,
     def body(tile, carry):
         run_v, run_i = carry
         v0 = tile * block_v
-        rows = jnp.minimum(v0 + jnp.arange(block_v, dtype=jnp.int32), vocab - 1)
-        # A loop, not a Python unroll: Triton gives every unrolled dot its own shared
-        # memory, which at D = 4096 (64 chunks) asks for 2.6 MB of the SM's 228 KB.
-        def chunk(j, acc):
-            d0 = pl.multiple_of(j * block_d, block_d)
-            h = h_ref[pl.ds(r0, block_r), pl.ds(d0, block_d)]         # [BR, BD]
-            e = e_ref[rows, pl.ds(d0, block_d)]                       # [BV, BD]
-            return acc + pltriton.dot(h, e.astype(h.dtype), trans_b=True,
-                                      precision=precision)
-
-        acc = lax.fori_loop(0, d // block_d, chunk,
-                            jnp.zeros((block_r, block_v), jnp.float32))
+        acc = gpu_tile_logits(h_ref, e_ref, r0, v0, vocab=vocab, block_r=block_r,
+                              block_v=block_v, block_d=block_d, precision=precision)
         ids = v0 + col                                                # [1, BV]
-        acc = jnp.where(ids < vocab, acc, -jnp.inf)
         kth = run_v.min(axis=1)                                       # [BR]
         better = jnp.max(jnp.where(acc.max(axis=1) > kth, 1, 0))
         # out-of-range columns get ids past V that no real id can equal
@@ -79,25 +67,13 @@ def _kernel(h_ref, e_ref, v_out, i_out, *, vocab, block_r, block_v, block_d, kp,
     i_out[...] = run_i
 
 
-def default_config(r: int, d: int, vocab: int, dtype):
-    """(block_r, block_v, block_d, num_splits, num_warps, num_stages) for one shape."""
-    block_r = min(64, max(16, next_pow2(r)))
-    block_v = 128
-    block_d = next(b for b in (64, 32, 16) if d % b == 0)
-    n_tiles = -(-vocab // block_v)
-    sm_count = getattr(jax.devices()[0], "core_count", None) or DEFAULT_SM_COUNT
-    row_tiles = -(-r // block_r)
-    num_splits = max(1, min(n_tiles, -(-2 * sm_count // row_tiles)))
-    return block_r, block_v, block_d, num_splits, 4, 2
-
-
 def vocab_top_k_gpu(hidden, weight, k: int, *, interpret=False, block_r=None, block_v=None,
                     num_splits=None, num_warps=None, num_stages=None):
     r, d = hidden.shape
     vocab = weight.shape[0]
     if d % 16:
         raise ValueError(f"vocab_top_k: implementation='pallas_gpu' needs D % 16 == 0, got {d}")
-    cfg = default_config(r, d, vocab, hidden.dtype)
+    cfg = gpu_grid_config(r, d, vocab)
     block_r = block_r or cfg[0]
     block_v = block_v or cfg[1]
     block_d = cfg[2]

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from ..vocab_tiles import check_hidden_weight
+
 OP = "lm_head_stats"
 IMPLEMENTATIONS = ("auto", "xla", "pallas_tpu", "pallas_gpu")
-DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
 def check_inputs(hidden, weight, labels, implementation, chunk) -> None:
@@ -20,16 +21,10 @@ def check_inputs(hidden, weight, labels, implementation, chunk) -> None:
 
     if implementation not in IMPLEMENTATIONS:
         fail(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-    if hidden.ndim != 2 or weight.ndim != 2:
-        fail(f"hidden must be [R, D] and weight [V, D], got {hidden.shape} and {weight.shape}")
-    if hidden.shape[1] != weight.shape[1]:
-        fail(f"hidden width {hidden.shape[1]} differs from weight width {weight.shape[1]}")
+    check_hidden_weight(OP, hidden, weight)
     if labels.shape != hidden.shape[:1] or not jnp.issubdtype(labels.dtype, jnp.integer):
         fail(f"labels must be [R] = [{hidden.shape[0]}] integers, got {labels.shape} "
              f"{labels.dtype}")
-    for name, x in (("hidden", hidden), ("weight", weight)):
-        if jnp.dtype(x.dtype) not in DTYPES:
-            fail(f"{name} dtype must be bfloat16 or float32, got {x.dtype}")
     if not isinstance(chunk, int) or chunk < 1:
         fail(f"chunk must be a positive int, got {chunk!r}")
 

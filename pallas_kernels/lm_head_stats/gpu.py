@@ -26,14 +26,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-DEFAULT_SM_COUNT = 132          # H100/H200 SXM
+from ..vocab_tiles import gpu_grid_config, gpu_tile_logits
+
 
 
 def _kernel(h_ref, e_ref, value_ref, label_ref, max_out, sum_out, count_out, *, vocab,
             block_r, block_v, block_d, tiles_per_split, n_tiles, precision):
     split = pl.program_id(1)
     r0 = pl.program_id(0) * block_r
-    d = h_ref.shape[1]
     lo = split * tiles_per_split
     hi = jnp.minimum(n_tiles, lo + tiles_per_split)
     col = lax.broadcasted_iota(jnp.int32, (1, block_v), 1)
@@ -43,19 +43,9 @@ def _kernel(h_ref, e_ref, value_ref, label_ref, max_out, sum_out, count_out, *, 
     def body(tile, carry):
         top, total, count = carry
         v0 = tile * block_v
-        rows = jnp.minimum(v0 + jnp.arange(block_v, dtype=jnp.int32), vocab - 1)
-
-        def chunk(j, acc):       # a loop: unrolled dots each take their own shared memory
-            d0 = pl.multiple_of(j * block_d, block_d)
-            h = h_ref[pl.ds(r0, block_r), pl.ds(d0, block_d)]         # [BR, BD]
-            e = e_ref[rows, pl.ds(d0, block_d)]                       # [BV, BD]
-            return acc + pltriton.dot(h, e.astype(h.dtype), trans_b=True,
-                                      precision=precision)
-
-        logits = lax.fori_loop(0, d // block_d, chunk,
-                               jnp.zeros((block_r, block_v), jnp.float32))
+        logits = gpu_tile_logits(h_ref, e_ref, r0, v0, vocab=vocab, block_r=block_r,
+                                 block_v=block_v, block_d=block_d, precision=precision)
         ids = v0 + col                                                # [1, BV]
-        logits = jnp.where(ids < vocab, logits, -jnp.inf)
         new_top = jnp.maximum(top, logits.max(axis=1))                # finite: tile < V
         total = total * jnp.exp(top - new_top) + jnp.exp(logits - new_top[:, None]).sum(1)
         before = (logits > value) | ((logits == value) & (ids < label))
@@ -70,18 +60,6 @@ def _kernel(h_ref, e_ref, value_ref, label_ref, max_out, sum_out, count_out, *, 
     count_out[...] = count
 
 
-def default_config(r: int, d: int, vocab: int):
-    """(block_r, block_v, block_d, num_splits, num_warps, num_stages) for one shape."""
-    block_r = 64 if r >= 64 else max(16, 1 << max(0, (r - 1).bit_length()))
-    block_v = 128
-    block_d = next(b for b in (64, 32, 16) if d % b == 0)
-    n_tiles = -(-vocab // block_v)
-    sm_count = getattr(jax.devices()[0], "core_count", None) or DEFAULT_SM_COUNT
-    row_tiles = -(-r // block_r)
-    num_splits = max(1, min(n_tiles, -(-2 * sm_count // row_tiles)))
-    return block_r, block_v, block_d, num_splits, 4, 2
-
-
 def forward_gpu(hidden, weight, labels, value, *, interpret=False, block_r=None,
                 block_v=None, num_splits=None, num_warps=None, num_stages=None):
     """Partials ([S, R] max, [S, R] sum, [S, R] count) for `common.combine`."""
@@ -90,7 +68,7 @@ def forward_gpu(hidden, weight, labels, value, *, interpret=False, block_r=None,
     if d % 16:
         raise ValueError(f"lm_head_stats: implementation='pallas_gpu' needs D % 16 == 0, "
                          f"got {d}")
-    cfg = default_config(r, d, vocab)
+    cfg = gpu_grid_config(r, d, vocab)
     block_r = block_r or cfg[0]
     block_v = block_v or cfg[1]
     block_d = cfg[2]

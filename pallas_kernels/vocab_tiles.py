@@ -1,0 +1,67 @@
+"""What the ops over an lm_head's vocabulary share (`dspine_proposal.vocab_top_k`,
+`lm_head_stats`): the checks of hidden [R, D] against weight [V, D], and the GPU kernels'
+one tile of logits.
+
+R rows, D hidden, V vocab, BR/BV/BD row/vocab/hidden tiles.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+DEFAULT_SM_COUNT = 132          # H100/H200 SXM, where the device does not say
+
+
+def check_hidden_weight(op: str, hidden, weight) -> None:
+    """Raises ValueError naming `op` unless hidden is [R, D] and weight [V, D], bf16/f32."""
+    if hidden.ndim != 2 or weight.ndim != 2:
+        raise ValueError(f"{op}: hidden must be [R, D] and weight [V, D], got {hidden.shape} "
+                         f"and {weight.shape}")
+    if hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"{op}: hidden width {hidden.shape[1]} differs from weight width "
+                         f"{weight.shape[1]}")
+    for name, x in (("hidden", hidden), ("weight", weight)):
+        if jnp.dtype(x.dtype) not in DTYPES:
+            raise ValueError(f"{op}: {name} dtype must be bfloat16 or float32, got {x.dtype}")
+
+
+def gpu_tile_logits(h_ref, e_ref, r0, v0, *, vocab: int, block_r: int, block_v: int,
+                    block_d: int, precision):
+    """Inside a Triton-lowered kernel: the [BR, BV] float32 logits of hidden rows
+    r0 .. r0 + BR against lm_head rows v0 .. v0 + BV, accumulated over D in BD-wide
+    chunks (so D need only be a multiple of 16), -inf past V (those rows are read clamped
+    to V - 1)."""
+    rows = jnp.minimum(v0 + jnp.arange(block_v, dtype=jnp.int32), vocab - 1)
+
+    # A loop, not a Python unroll: Triton gives every unrolled dot its own shared memory,
+    # which at D = 4096 (64 chunks) asks for 2.6 MB of the SM's 228 KB.
+    def chunk(j, acc):
+        d0 = pl.multiple_of(j * block_d, block_d)
+        h = h_ref[pl.ds(r0, block_r), pl.ds(d0, block_d)]             # [BR, BD]
+        e = e_ref[rows, pl.ds(d0, block_d)]                           # [BV, BD]
+        return acc + pltriton.dot(h, e.astype(h.dtype), trans_b=True, precision=precision)
+
+    logits = lax.fori_loop(0, h_ref.shape[1] // block_d, chunk,
+                           jnp.zeros((block_r, block_v), jnp.float32))
+    ids = v0 + lax.broadcasted_iota(jnp.int32, (1, block_v), 1)
+    return jnp.where(ids < vocab, logits, -jnp.inf)
+
+
+def gpu_grid_config(r: int, d: int, vocab: int):
+    """(block_r, block_v, block_d, num_splits, num_warps, num_stages) of a GPU kernel
+    whose grid is (row tiles, vocabulary splits): S splits such that the grid is about
+    twice the multiprocessor count (a few rows still spread the lm_head's read over the
+    whole chip)."""
+    block_r = min(64, max(16, 1 << max(0, (r - 1).bit_length())))
+    block_v = 128
+    block_d = next(b for b in (64, 32, 16) if d % b == 0)
+    n_tiles = -(-vocab // block_v)
+    sm_count = getattr(jax.devices()[0], "core_count", None) or DEFAULT_SM_COUNT
+    row_tiles = -(-r // block_r)
+    num_splits = max(1, min(n_tiles, -(-2 * sm_count // row_tiles)))
+    return block_r, block_v, block_d, num_splits, 4, 2
