@@ -1,11 +1,13 @@
 """What the ops over an lm_head's vocabulary share (`dspine_proposal.vocab_top_k`,
 `lm_head_stats`): the checks of hidden [R, D] against weight [V, D], and the GPU kernels'
-one tile of logits.
+grid and one tile of logits.
 
 R rows, D hidden, V vocab, BR/BV/BD row/vocab/hidden tiles.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -52,16 +54,36 @@ def gpu_tile_logits(h_ref, e_ref, r0, v0, *, vocab: int, block_r: int, block_v: 
     return jnp.where(ids < vocab, logits, -jnp.inf)
 
 
-def gpu_grid_config(r: int, d: int, vocab: int):
-    """(block_r, block_v, block_d, num_splits, num_warps, num_stages) of a GPU kernel
-    whose grid is (row tiles, vocabulary splits): S splits such that the grid is about
-    twice the multiprocessor count (a few rows still spread the lm_head's read over the
-    whole chip)."""
-    block_r = min(64, max(16, 1 << max(0, (r - 1).bit_length())))
-    block_v = 128
+class GpuGrid(NamedTuple):
+    """A GPU kernel's grid over (row tiles, vocabulary splits) and its tiles."""
+    block_r: int
+    block_v: int
+    block_d: int
+    row_tiles: int
+    n_tiles: int           # vocabulary tiles of BV rows
+    num_splits: int        # every split runs at least one tile
+    tiles_per_split: int
+    num_warps: int
+    num_stages: int
+
+
+def gpu_grid(op: str, r: int, d: int, vocab: int, *, block_r=None, block_v=None,
+             num_splits=None, num_warps=None, num_stages=None) -> GpuGrid:
+    """The grid of a GPU kernel over R rows of width D against a V-row lm_head (any
+    argument given overrides its default): S splits such that the grid is about twice
+    the multiprocessor count, so that a few rows still spread the lm_head's read over the
+    whole chip. Raises ValueError naming `op` unless D is a multiple of 16."""
+    if d % 16:
+        raise ValueError(f"{op}: implementation='pallas_gpu' needs D % 16 == 0, got {d}")
+    block_r = block_r or min(64, max(16, 1 << max(0, (r - 1).bit_length())))
+    block_v = block_v or 128
     block_d = next(b for b in (64, 32, 16) if d % b == 0)
     n_tiles = -(-vocab // block_v)
-    sm_count = getattr(jax.devices()[0], "core_count", None) or DEFAULT_SM_COUNT
     row_tiles = -(-r // block_r)
-    num_splits = max(1, min(n_tiles, -(-2 * sm_count // row_tiles)))
-    return block_r, block_v, block_d, num_splits, 4, 2
+    if num_splits is None:
+        sm_count = getattr(jax.devices()[0], "core_count", None) or DEFAULT_SM_COUNT
+        num_splits = max(1, -(-2 * sm_count // row_tiles))
+    tiles_per_split = -(-n_tiles // min(num_splits, n_tiles))
+    return GpuGrid(block_r, block_v, block_d, row_tiles, n_tiles,
+                   -(-n_tiles // tiles_per_split), tiles_per_split, num_warps or 4,
+                   num_stages or 2)

@@ -33,9 +33,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ..vocab_tiles import gpu_grid_config, gpu_tile_logits
+from ..vocab_tiles import gpu_grid, gpu_tile_logits
 from .common import merge_top_k, next_pow2
-
 
 
 def _kernel(h_ref, e_ref, v_out, i_out, *, vocab, block_r, block_v, block_d, kp,
@@ -71,25 +70,16 @@ def vocab_top_k_gpu(hidden, weight, k: int, *, interpret=False, block_r=None, bl
                     num_splits=None, num_warps=None, num_stages=None):
     r, d = hidden.shape
     vocab = weight.shape[0]
-    if d % 16:
-        raise ValueError(f"vocab_top_k: implementation='pallas_gpu' needs D % 16 == 0, got {d}")
-    cfg = gpu_grid_config(r, d, vocab)
-    block_r = block_r or cfg[0]
-    block_v = block_v or cfg[1]
-    block_d = cfg[2]
-    n_tiles = -(-vocab // block_v)
-    num_splits = min(num_splits or cfg[3], n_tiles)
-    num_warps = num_warps or cfg[4]
-    num_stages = num_stages or cfg[5]
-    tiles_per_split = -(-n_tiles // num_splits)
-    num_splits = -(-n_tiles // tiles_per_split)
+    grid = gpu_grid("vocab_top_k", r, d, vocab, block_r=block_r, block_v=block_v,
+                    num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
+    block_r, row_tiles, num_splits = grid.block_r, grid.row_tiles, grid.num_splits
     kp = max(16, next_pow2(k))
-    row_tiles = -(-r // block_r)
     h = jnp.pad(hidden, ((0, row_tiles * block_r - r), (0, 0)))
     precision = lax.Precision.HIGHEST if hidden.dtype == jnp.float32 else None
-    kernel = functools.partial(_kernel, vocab=vocab, block_r=block_r, block_v=block_v,
-                               block_d=block_d, kp=kp, tiles_per_split=tiles_per_split,
-                               n_tiles=n_tiles, precision=precision)
+    kernel = functools.partial(_kernel, vocab=vocab, block_r=block_r, block_v=grid.block_v,
+                               block_d=grid.block_d, kp=kp,
+                               tiles_per_split=grid.tiles_per_split, n_tiles=grid.n_tiles,
+                               precision=precision)
     whole = pl.no_block_spec
     out_spec = pl.BlockSpec((None, block_r, kp), lambda i, s: (s, i, 0))
     vals, ids = pl.pallas_call(
@@ -99,7 +89,8 @@ def vocab_top_k_gpu(hidden, weight, k: int, *, interpret=False, block_r=None, bl
         out_specs=[out_spec, out_spec],
         out_shape=[jax.ShapeDtypeStruct((num_splits, row_tiles * block_r, kp), jnp.float32),
                    jax.ShapeDtypeStruct((num_splits, row_tiles * block_r, kp), jnp.int32)],
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=pltriton.CompilerParams(num_warps=grid.num_warps,
+                                                num_stages=grid.num_stages),
         interpret=interpret,
         name="vocab_top_k",
     )(h, weight)

@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ..vocab_tiles import gpu_grid_config, gpu_tile_logits
+from ..vocab_tiles import gpu_grid, gpu_tile_logits
 
 
 
@@ -65,26 +65,17 @@ def forward_gpu(hidden, weight, labels, value, *, interpret=False, block_r=None,
     """Partials ([S, R] max, [S, R] sum, [S, R] count) for `common.combine`."""
     r, d = hidden.shape
     vocab = weight.shape[0]
-    if d % 16:
-        raise ValueError(f"lm_head_stats: implementation='pallas_gpu' needs D % 16 == 0, "
-                         f"got {d}")
-    cfg = gpu_grid_config(r, d, vocab)
-    block_r = block_r or cfg[0]
-    block_v = block_v or cfg[1]
-    block_d = cfg[2]
-    n_tiles = -(-vocab // block_v)
-    num_splits = min(num_splits or cfg[3], n_tiles)
-    tiles_per_split = -(-n_tiles // num_splits)
-    num_splits = -(-n_tiles // tiles_per_split)      # every split runs at least one tile
-    row_tiles = -(-r // block_r)
+    grid = gpu_grid("lm_head_stats", r, d, vocab, block_r=block_r, block_v=block_v,
+                    num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
+    block_r, row_tiles, num_splits = grid.block_r, grid.row_tiles, grid.num_splits
     pad = row_tiles * block_r - r
     h = jnp.pad(hidden, ((0, pad), (0, 0)))
     value = jnp.pad(value, (0, pad))
     labels = jnp.pad(labels.astype(jnp.int32), (0, pad))
     precision = lax.Precision.HIGHEST if hidden.dtype == jnp.float32 else None
-    kernel = functools.partial(_kernel, vocab=vocab, block_r=block_r, block_v=block_v,
-                               block_d=block_d, tiles_per_split=tiles_per_split,
-                               n_tiles=n_tiles, precision=precision)
+    kernel = functools.partial(_kernel, vocab=vocab, block_r=block_r, block_v=grid.block_v,
+                               block_d=grid.block_d, tiles_per_split=grid.tiles_per_split,
+                               n_tiles=grid.n_tiles, precision=precision)
     whole = pl.no_block_spec
     out_spec = pl.BlockSpec((None, block_r), lambda i, s: (s, i))
     shape = (num_splits, row_tiles * block_r)
@@ -96,8 +87,8 @@ def forward_gpu(hidden, weight, labels, value, *, interpret=False, block_r=None,
         out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32),
                    jax.ShapeDtypeStruct(shape, jnp.float32),
                    jax.ShapeDtypeStruct(shape, jnp.int32)],
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps or cfg[4],
-                                                num_stages=num_stages or cfg[5]),
+        compiler_params=pltriton.CompilerParams(num_warps=grid.num_warps,
+                                                num_stages=grid.num_stages),
         interpret=interpret,
         name="lm_head_stats",
     )(h, weight, value, labels)
