@@ -88,8 +88,9 @@ def main(argv=None):
                    help="loss.alignment (DSpine; the shipped recipe: --backbone ce "
                         "--alignment off)")
     p.add_argument("--logits", default="auto", choices=("auto", "dense", "fused"),
-                   help="loss.logits: the [B, n, K, V] logits (dense, and auto) or "
-                        "lm_head_stats from the hidden states (fused; a CE backbone)")
+                   help="loss.logits: the [B, n, K, V] logits (dense) or lm_head_stats "
+                        "from the hidden states (fused; a CE backbone); auto: fused on a "
+                        "GPU where the loss and the drafter's width allow it")
     p.add_argument("--analysis", action="store_true",
                    help="also report XLA's FLOPs, bytes accessed and temporary memory of the "
                         "compiled step")

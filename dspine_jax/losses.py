@@ -28,6 +28,11 @@ from pallas_kernels.lm_head_stats import lm_head_stats
 BACKBONE_LOSSES = ("ce", "ce+l1")
 CANDIDATE_SOURCES = ("auto", "logits", "kernel")
 LOGITS_PATHS = ("auto", "dense", "fused")
+# Below about this width the [R, V] logits are bandwidth-bound (2D FLOPs per 4-byte logit
+# written and read again), so computing them tile by tile wins; above it cuBLAS's matmul
+# beats the kernel's. On the H200: D 576 (SmolLM2), the step 1.04x with 34% less memory;
+# D 4,096 (Qwen3-8B), the op 1.3x slower (docs/benchmarks.md, "the loss's vocabulary work").
+FUSED_MAX_HIDDEN = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,9 +58,8 @@ class LossConfig:
     # "fused" takes the CE, the label's rank and the target's log-normaliser straight from
     # the hidden states with `pallas_kernels.lm_head_stats` (a kernel on a GPU or TPU,
     # vocabulary chunks elsewhere; no [B, n, K, V] tensor), for a CE backbone with the
-    # refinement's candidates from the kernel; "auto": "dense" for now (on a CPU the fused
-    # backward's second product costs more than it saves; on a GPU or TPU "fused" waits to
-    # be timed before it becomes the default)
+    # refinement's candidates from the kernel; "auto": "fused" on a GPU for a CE backbone
+    # and a drafter at most FUSED_MAX_HIDDEN wide, "dense" otherwise (`auto_logits`)
     logits: str = "auto"
     candidate_mass_threshold: float = 1e-4
     alignment: bool = True             # [switch] layer-wise output-embedding supervision
@@ -112,6 +116,8 @@ class LossConfig:
             self,
             gamma=self.gamma or {16: 7.0, 10: 5.0, 8: 4.0}.get(config.block_size, 7.0),
             backbone=backbone,
+            logits=(auto_logits(backbone, self.candidates, config.hidden_size)
+                    if self.logits == "auto" else self.logits),
             refinement=(spine is not None and spine.refinement_head
                         if self.refinement is None else self.refinement),
             top_k=self.top_k or (16 if spine is None else spine.top_k),
@@ -120,13 +126,27 @@ class LossConfig:
 
     @property
     def resolved(self) -> bool:
-        return None not in (self.gamma, self.backbone, self.refinement, self.top_k)
+        return (None not in (self.gamma, self.backbone, self.refinement, self.top_k)
+                and self.logits != "auto")
 
     @property
     def fused_logits(self) -> bool:
-        """Whether the loss takes its vocabulary statistics from `lm_head_stats` (the
-        `logits` field; "auto" is "dense")."""
+        """Whether the loss takes its vocabulary statistics from `lm_head_stats`."""
+        if self.logits == "auto":
+            raise ValueError("loss.logits 'auto' is decided by resolve(drafter.config)")
         return self.logits == "fused"
+
+
+def auto_logits(backbone: str, candidates: str, hidden_size: int,
+                backend: str | None = None) -> str:
+    """What loss.logits = "auto" means for this loss and drafter on this backend: "fused"
+    on a GPU, where it is timed faster, if the loss allows it (a CE backbone, candidates
+    not taken from the logits) and the drafter is narrow enough (FUSED_MAX_HIDDEN);
+    "dense" otherwise: on a TPU "fused" is not yet timed, and a CPU keeps the plain path
+    that the references check against."""
+    backend = backend or jax.default_backend()
+    fits = backbone == "ce" and candidates != "logits" and hidden_size <= FUSED_MAX_HIDDEN
+    return "fused" if backend == "gpu" and fits else "dense"
 
 
 def slot_weights(block_size: int, gamma: float) -> jax.Array:

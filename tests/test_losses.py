@@ -408,10 +408,27 @@ def test_fused_logits_refuse_what_they_cannot_compute():
         LossConfig(logits="fused").resolve(make_config("dspine"))
     with pytest.raises(ConfigError, match="loss.logits"):
         LossConfig(logits="sparse")
-    # auto is dense (fused is asked for)
-    assert not LossConfig(backbone="ce").resolve(make_config("dflash")).fused_logits
-    assert not LossConfig().resolve(make_config("dspine")).fused_logits
     assert LossConfig(backbone="ce", logits="fused").resolve(make_config("dspine")).fused_logits
+    with pytest.raises(ValueError, match="resolve"):
+        LossConfig().fused_logits
+
+
+def test_auto_logits_are_fused_only_where_timed_faster_and_allowed():
+    """loss.logits = "auto": fused on a GPU for a CE backbone whose candidates come from
+    the kernel and a drafter at most FUSED_MAX_HIDDEN wide; dense otherwise."""
+    from dspine_jax.losses import FUSED_MAX_HIDDEN, auto_logits
+
+    assert auto_logits("ce", "auto", 576, backend="gpu") == "fused"
+    assert auto_logits("ce", "kernel", FUSED_MAX_HIDDEN, backend="gpu") == "fused"
+    assert auto_logits("ce", "auto", FUSED_MAX_HIDDEN + 1, backend="gpu") == "dense"
+    assert auto_logits("ce+l1", "auto", 576, backend="gpu") == "dense"
+    assert auto_logits("ce", "logits", 576, backend="gpu") == "dense"
+    for backend in ("cpu", "tpu"):
+        assert auto_logits("ce", "auto", 576, backend=backend) == "dense"
+    # resolve decides it; on this (CPU) backend, dense
+    assert LossConfig(backbone="ce").resolve(make_config("dflash")).logits == "dense"
+    assert LossConfig().resolve(make_config("dspine")).logits == "dense"
+    assert LossConfig(logits="dense").resolve(make_config("dflash")).logits == "dense"
 
 
 def test_slot_metrics_do_not_depend_on_the_alignment_term(target):
