@@ -9,7 +9,7 @@
 #
 # Environment knobs (defaults = the planned run):
 #   RUNS=runs  DATA=$RUNS/data/sharegpt-all  PROMPTS= (all)  TEMPERATURES=0,0.7,1  SAMPLES=1
-#   MAX_NEW=1024  MAX_PROMPT=512  REGEN_BATCH=512 (rows or slots)  SHARD=1024
+#   MAX_NEW=1024  MAX_PROMPT=512  REGEN_BATCH=1024 (rows or slots)  SHARD=512
 #   ENGINE=slots (continuous batching) or batch (static batches)  NUM_PAGES= (slots: the
 #   shared KV page pool; default every slot at MAX_PROMPT + MAX_NEW, never preempted)
 #   DATA_SECONDS=0 (>0: the data stage stops once a shard lands past this many seconds;
@@ -29,8 +29,8 @@ TEMPERATURES=${TEMPERATURES:-0,0.7,1}
 SAMPLES=${SAMPLES:-1}
 MAX_NEW=${MAX_NEW:-1024}
 MAX_PROMPT=${MAX_PROMPT:-512}
-REGEN_BATCH=${REGEN_BATCH:-512}
-SHARD=${SHARD:-1024}
+REGEN_BATCH=${REGEN_BATCH:-1024}
+SHARD=${SHARD:-512}
 ENGINE=${ENGINE:-slots}
 DATA_SECONDS=${DATA_SECONDS:-0}
 KINDS=${KINDS:-"dflash dspine-ce-no-alignment"}
