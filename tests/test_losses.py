@@ -110,7 +110,7 @@ def test_backbone_loss_matches_reference(backbone):
     sup[..., 0] = False
     target_logits = rng.normal(size=(2, 3, K, 11)).astype(np.float32)
     config = LossConfig(gamma=3.0, backbone=backbone, ce_weight=0.1, refinement=False,
-                        top_k=16, alignment=False)
+                        top_k=16, alignment=False, logits="dense")
     loss, metrics = drafter_loss(config, None, out, jnp.asarray(labels), jnp.asarray(sup),
                                  target_logits=jnp.asarray(target_logits))
     q = softmax64(out.logits)
@@ -213,7 +213,8 @@ def test_refinement_and_alignment_terms_match_reference(target):
     out = drafter.forward_train(TOKENS, feats, anchors, target.input_embedding(),
                                 target.output_embedding())
     config = LossConfig(gamma=7.0, backbone="ce+l1", ce_weight=0.1, refinement=True, top_k=4,
-                        alignment=True, alignment_weight=0.5, alignment_warmup_steps=10)
+                        alignment=True, alignment_weight=0.5, alignment_warmup_steps=10,
+                        logits="dense")
     loss, m = drafter_loss(config, drafter, out, labels, sup, target_logits=tlogits,
                            teacher_tokens=teacher, output_embedding=target.output_embedding(),
                            step=5)
@@ -268,7 +269,7 @@ def test_kernel_candidates_are_the_logits_top_k(target, monkeypatch):
 
     def loss(source):
         config = LossConfig(gamma=7.0, backbone="ce+l1", refinement=True, top_k=4,
-                            candidates=source)
+                            candidates=source, logits="dense")
         return drafter_loss(config, drafter, out, labels, sup, target_logits=tlogits,
                             teacher_tokens=teacher, output_embedding=e_out, step=5)
 
