@@ -29,7 +29,6 @@ from jax.experimental.pallas import triton as pltriton
 from ..vocab_tiles import gpu_grid, gpu_tile_logits
 
 
-
 def _kernel(h_ref, e_ref, value_ref, label_ref, max_out, sum_out, count_out, *, vocab,
             block_r, block_v, block_d, tiles_per_split, n_tiles, precision):
     split = pl.program_id(1)
