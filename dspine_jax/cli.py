@@ -47,6 +47,11 @@ def generate(
     seed: int = options.seed(),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Run to --max-new-tokens."),
     batch_size: int = options.batch_size(),
+    engine: str = typer.Option(
+        "batch", "--engine", metavar="batch|slots",
+        help="batch: static batches of --batch-size prompts, each until its longest row is "
+             "done; slots: continuous batching over --batch-size slots, a finished row's "
+             "slot taking the next prompt at once (prompt i samples from --seed + i)."),
     dtype: str = options.dtype(),
     attention_backend: str = options.attention_backend(),
     proposal: str = options.proposal(),
@@ -55,11 +60,13 @@ def generate(
 ):
     """Generate text: autoregressive, or speculative with a DFlash or DSpine drafter."""
     try:
-        from dspine_jax.api import Pipeline, Prompt
+        from dspine_jax.api import ENGINES, Pipeline, Prompt
         from dspine_jax.sampling import validate_sampling
 
         # Everything checkable is checked before Pipeline.load: loading takes seconds.
         validate_sampling(temperature, top_p, top_k)
+        if engine not in ENGINES:
+            raise InputError(f"--engine must be one of {', '.join(ENGINES)}; got {engine!r}")
         if (prompt is None) == (prompts_file is None):
             raise InputError("give exactly one of --prompt and --prompts-file")
         if prompt is not None and not prompt.strip():
@@ -72,8 +79,8 @@ def generate(
                              proposal_kernel=proposal_kernel)
         sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                         top_k=top_k, seed=seed, ignore_eos=ignore_eos)
-        if as_json or len(prompts) > 1:
-            results = pipe.generate(prompts, batch_size=batch_size, **sampling)
+        if as_json or len(prompts) > 1 or engine == "slots":
+            results = pipe.generate(prompts, batch_size=batch_size, engine=engine, **sampling)
             for result in results:
                 print(json.dumps(result.to_json(pipe.method)) if as_json else result.text)
             cut = [i for i, r in enumerate(results, 1) if r.finish_reason == "length"]

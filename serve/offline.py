@@ -1,0 +1,113 @@
+"""Offline generation with continuous batching: the serving engine's core, no HTTP.
+
+`Pipeline.generate(..., engine="slots")` and `dspine generate --engine slots` decode a
+list of prompts through `max_slots` slots: a response that ends frees its slot for the
+next prompt at once, where static batches (`engine="batch"`) run until their longest row
+is done. With a drafter that matters even when every row decodes the same number of
+tokens: each row advances by its own accepted length per pass, so a static batch of 8
+runs as many passes as its slowest row, and the slots keep every row busy instead.
+
+Every call shape is compiled before the clock starts (`EngineCore.warmup`, only the
+sampling mode the settings need), so `seconds` is decoding alone, as for the batch
+engine. Each prompt draws from its own seed (`seed + its index`): a sampled response
+does not depend on the slot count or on the prompts decoded beside it. At T = 0 the
+tokens equal the batch engine's (both are the target's greedy output).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Sequence
+
+import numpy as np
+
+from dspine_jax.decoding import BatchDecoder
+from dspine_jax.errors import InputError
+from dspine_jax.sampling import batch_sampling_mode
+from dspine_serve import slot_steps
+from dspine_serve.engine_core import DEFAULT_PREFILL_CHUNK, EngineCore, SamplingOptions
+
+
+@dataclasses.dataclass
+class SlotGeneration:
+    tokens: list[int]            # EOS included when it ended the response
+    accept_lengths: list[int]    # tokens emitted by each target pass (1 per AR step)
+    finish_reason: str           # stop or length
+    prompt_tokens: int
+
+
+@dataclasses.dataclass
+class SlotRun:
+    generations: list[SlotGeneration]   # in the order of the prompts
+    seconds: float                      # first admission to the last response, all prompts
+    compile_seconds: float
+    steps: int                          # engine steps (each: a prefill and/or a decode call)
+    preemptions: int
+
+
+def core_for(decoder: BatchDecoder, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+             max_slots: int) -> EngineCore:
+    """An engine core sized for these prompts: every slot can hold the longest prompt
+    plus `max_new_tokens` (plus the verify block), so nothing is ever preempted, and a
+    prefill chunk no longer than the longest prompt needs (fewer shapes to compile)."""
+    if not isinstance(max_slots, int) or max_slots < 1:
+        raise InputError(f"the slot count (batch size) must be a positive integer, "
+                         f"got {max_slots!r}")
+    if not prompts:
+        raise InputError("no prompts to generate from")
+    context = decoder.config.max_position_embeddings
+    longest = max(len(p) for p in prompts)
+    need = longest + max_new_tokens + decoder.extra_capacity
+    if need > context:
+        i = max(range(len(prompts)), key=lambda k: len(prompts[k]))
+        raise InputError(
+            f"prompt {i} has {longest} tokens; with max_new_tokens={max_new_tokens}"
+            + (f" and a {decoder.extra_capacity}-token verify block"
+               if decoder.extra_capacity else "")
+            + f" it needs {need} positions, past the model's context of {context}")
+    chunk = slot_steps.bucket_up(min(longest, DEFAULT_PREFILL_CHUNK),
+                                 slot_steps.row_buckets(DEFAULT_PREFILL_CHUNK, minimum=16))
+    return EngineCore(decoder, max_slots=min(max_slots, len(prompts)),
+                      max_model_len=max(need, decoder.extra_capacity + 2),
+                      prefill_chunk=chunk)
+
+
+def generate_slots(decoder: BatchDecoder, prompts: Sequence[Sequence[int]], *,
+                   max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                   top_k: int = 0, seed: int = 0, ignore_eos: bool = False,
+                   max_slots: int = 8) -> SlotRun:
+    """Decode `prompts` (token ids) through `max_slots` slots; prompt i samples from
+    seed + i. Every prompt is checked before anything compiles."""
+    core = core_for(decoder, prompts, max_new_tokens, max_slots)
+    options = [SamplingOptions(max_tokens=max_new_tokens, temperature=temperature,
+                               top_p=top_p, top_k=top_k, seed=seed + i,
+                               ignore_eos=ignore_eos) for i in range(len(prompts))]
+    for i, (prompt, option) in enumerate(zip(prompts, options)):
+        try:
+            core.check_request(prompt, option)
+        except InputError as e:
+            raise InputError(f"prompt {i}: {e}") from None
+    mode = batch_sampling_mode(np.float32([temperature]), np.float32([top_p]),
+                               np.int32([top_k]))
+    compile_seconds = core.warmup(modes=[mode])
+
+    tokens = [[] for _ in prompts]
+    accepts = [[] for _ in prompts]
+    reasons: list[str | None] = [None] * len(prompts)
+    started = time.perf_counter()
+    for i, (prompt, option) in enumerate(zip(prompts, options)):
+        core.add_request(str(i), prompt, option)
+    steps = 0
+    while core.has_work():
+        for out in core.step():
+            i = int(out.request_id)
+            tokens[i] += out.new_token_ids
+            accepts[i] += out.accept_lengths
+            if out.finished:
+                reasons[i] = out.finish_reason
+        steps += 1
+    seconds = time.perf_counter() - started
+    generations = [SlotGeneration(t, a, r, len(p))
+                   for t, a, r, p in zip(tokens, accepts, reasons, prompts)]
+    return SlotRun(generations, seconds, compile_seconds, steps, core.preemptions)
