@@ -1,0 +1,166 @@
+"""Offline throughput: many prompts through B rows, static batches against continuous
+batching (SGLang's `bench_offline_throughput` shape), AR and every drafter, side by side.
+
+    python -m dspine_benchmarks.offline_throughput \
+        --drafter smollm2-135m-instruct-dflash --drafter smollm2-135m-instruct-dspine \
+        --prompts prompts.jsonl --num-prompts 64 --rows 8 --max-new-tokens 256 \
+        --temperature 0 1 --out offline_throughput.json
+
+For each method, temperature and row count B, the same prompts decode with
+  batch   the batch engine: static batches of B, each until its row with the most target
+          passes is done (a speculative row advances by its own accepted length per pass,
+          so the slowest row sets the batch's passes);
+  slots   `engine="slots"` (`dspine_serve.offline`): B slots of the serving engine's core,
+          a finished row's slot taking the next prompt at once.
+Every row decodes exactly --max-new-tokens (EOS ignored), so every method emits the same
+tokens. Each (method, engine, T, B) compiles every shape it needs first, then decodes
+all prompts twice and times the second run (the first also pays XLA's one-time setup
+of each shape); tokens/s = all new tokens / decode seconds, compilation excluded. x_ar is
+tokens/s over AR's with the same engine, T and B; x_ar_best over AR's better engine.
+row_passes: the target passes of every row, summed (tokens per row pass: tau).
+`batch` rows also give batch_passes (each batch decodes until its row with the most
+passes is done, summed over batches), row_pass_share = row_passes / (batch_passes x B)
+(the straggler cost) and ms_per_pass = seconds / batch_passes, prefill included; `slots`
+rows give the engine's steps (each: a prefill and/or a decode call of several passes) and
+compile_seconds (the first run's warm-up: every call shape of the slots compiled).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+from dspine_benchmarks.loop_vs_engine import batches, compile_shapes, read_prompts
+
+ENGINES = ("batch", "slots")
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default=None, help="target (default: the built-in one)")
+    ap.add_argument("--drafter", action="append", default=[], help="repeatable")
+    ap.add_argument("--prompts", required=True, help="JSONL prompts (as for `dspine generate "
+                                                     "--prompts-file`)")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--rows", type=int, nargs="+", default=[8],
+                    help="rows of a static batch, and slots (B)")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--temperature", type=float, nargs="+", default=[0.0])
+    ap.add_argument("--engine", nargs="+", choices=ENGINES, default=list(ENGINES))
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "f32"])
+    ap.add_argument("--skip-ar", action="store_true")
+    ap.add_argument("--compile-workers", type=int, default=8)
+    ap.add_argument("--out", default=None, help="JSON, rewritten after every row")
+    args = ap.parse_args(argv)
+    if args.num_prompts < 1 or args.max_new_tokens < 1 or min(args.rows) < 1:
+        ap.error("--num-prompts, --max-new-tokens and --rows must be positive")
+    return args
+
+
+def row_passes(g) -> int:
+    """A row's target passes after the prefill (which emits its first token)."""
+    return len(g.accept_lengths) if g.accept_lengths else len(g.tokens) - 1
+
+
+def run_batch(pipe, prompts, rows, kw, workers) -> dict:
+    """Static batches of `rows`, the second of two runs."""
+    groups = batches(prompts, rows)
+    compile_shapes(pipe.decoder, groups, workers, **kw)
+    for _ in range(2):
+        seconds, passes, own, slots, tokens = 0.0, 0, 0, 0, 0
+        for i, group in enumerate(groups):
+            res = pipe.decoder.generate(group, seed=i * rows, **kw)
+            seconds += res.seconds
+            counts = [row_passes(g) for g in res.generations]
+            passes += max(counts)
+            own += sum(counts)
+            slots += max(counts) * len(group)
+            tokens += sum(len(g.tokens) for g in res.generations)
+    return {"tokens": tokens, "seconds": seconds, "row_passes": own, "batch_passes": passes,
+            "row_pass_share": round(own / slots, 3),
+            "ms_per_pass": round(1e3 * seconds / passes, 3)}
+
+
+def run_slots(pipe, prompts, rows, kw) -> dict:
+    """`rows` slots of the serving engine's core, the second of two runs."""
+    from dspine_serve.offline import generate_slots
+
+    compiled = generate_slots(pipe.decoder, prompts, max_slots=rows, **kw).compile_seconds
+    run = generate_slots(pipe.decoder, prompts, max_slots=rows, **kw)
+    return {"tokens": sum(len(g.tokens) for g in run.generations), "seconds": run.seconds,
+            "row_passes": sum(row_passes(g) for g in run.generations), "steps": run.steps,
+            "preemptions": run.preemptions, "compile_seconds": round(compiled, 1)}
+
+
+def main(argv=None):
+    args = parse(argv)
+    sys.stdout.reconfigure(line_buffering=True)
+    import jax
+
+    from dspine_jax.api import Pipeline
+    from dspine_jax.checkpoints import load_target
+    from dspine_jax.registry import DEFAULT_TARGET, resolve_drafter
+
+    texts = read_prompts(args.prompts, args.num_prompts)
+    methods = ([] if args.skip_ar else [("ar", None)]) + [
+        (Path(str(resolve_drafter(d))).name, d) for d in args.drafter]
+    loaded = load_target(args.target or DEFAULT_TARGET, dtype=args.dtype)
+    meta = {"date": datetime.date.today().isoformat(), "jax": jax.__version__,
+            "device": str(jax.devices()[0].device_kind), "dtype": args.dtype,
+            "target": str(args.target or DEFAULT_TARGET), "prompts": args.prompts,
+            "num_prompts": len(texts), "max_new_tokens": args.max_new_tokens}
+    rows = []
+    for method, drafter in methods:
+        pipe = Pipeline.from_loaded(loaded, drafter, method=None if drafter else "ar")
+        prompts = [pipe.encode(p) for p in texts]
+        for t in args.temperature:
+            kw = dict(max_new_tokens=args.max_new_tokens, temperature=t, ignore_eos=True)
+            for b in args.rows:
+                for engine in args.engine:
+                    got = (run_batch(pipe, prompts, b, kw, args.compile_workers)
+                           if engine == "batch" else run_slots(pipe, prompts, b, kw))
+                    # a pass emits its accepted tokens; the prefill emits each row's first
+                    row = {"method": method, "engine": engine, "temperature": t, "rows": b,
+                           **got, "seconds": round(got["seconds"], 4),
+                           "tokens_per_s": round(got["tokens"] / got["seconds"], 1),
+                           "tau": round((got["tokens"] - len(prompts)) / got["row_passes"], 3)}
+                    rows.append(row)
+                    add_ratios(rows)
+                    print(json.dumps(row))
+                    if args.out:
+                        Path(args.out).write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    print(table(rows))
+
+
+def add_ratios(rows) -> None:
+    """x_ar: tokens/s over AR's at the same engine, T and rows; x_ar_best: over AR's best
+    engine there."""
+    ar = {(r["engine"], r["temperature"], r["rows"]): r["tokens_per_s"]
+          for r in rows if r["method"] == "ar"}
+    for r in rows:
+        same = ar.get((r["engine"], r["temperature"], r["rows"]))
+        best = max((v for (e, t, b), v in ar.items()
+                    if (t, b) == (r["temperature"], r["rows"])), default=None)
+        if same:
+            r["x_ar"] = round(r["tokens_per_s"] / same, 3)
+        if best:
+            r["x_ar_best"] = round(r["tokens_per_s"] / best, 3)
+
+
+def table(rows) -> str:
+    head = ("| method | T | rows | engine | tok/s | x AR | x best AR | tau | row pass share "
+            "| ms per pass |")
+    lines = [head, "|" + "---|" * 10]
+    for r in rows:
+        lines.append(f"| {r['method']} | {r['temperature']:g} | {r['rows']} | {r['engine']} | "
+                     f"{r['tokens_per_s']:,.0f} | {r.get('x_ar', '')} | "
+                     f"{r.get('x_ar_best', '')} | {r['tau']} | {r.get('row_pass_share', 1)} | "
+                     f"{r.get('ms_per_pass', '')} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
