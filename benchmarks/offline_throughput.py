@@ -51,6 +51,8 @@ def parse(argv=None):
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0])
     ap.add_argument("--engine", nargs="+", choices=ENGINES, default=list(ENGINES))
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "f32"])
+    ap.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "xla"])
+    ap.add_argument("--proposal-kernel", default="auto", choices=["auto", "pallas", "xla"])
     ap.add_argument("--skip-ar", action="store_true")
     ap.add_argument("--compile-workers", type=int, default=8)
     ap.add_argument("--out", default=None, help="JSON, rewritten after every row")
@@ -111,10 +113,15 @@ def main(argv=None):
     meta = {"date": datetime.date.today().isoformat(), "jax": jax.__version__,
             "device": str(jax.devices()[0].device_kind), "dtype": args.dtype,
             "target": str(args.target or DEFAULT_TARGET), "prompts": args.prompts,
-            "num_prompts": len(texts), "max_new_tokens": args.max_new_tokens}
+            "num_prompts": len(texts), "max_new_tokens": args.max_new_tokens,
+            "attention_backend": args.attention_backend,
+            "proposal_kernel": args.proposal_kernel}
     rows = []
     for method, drafter in methods:
-        pipe = Pipeline.from_loaded(loaded, drafter, method=None if drafter else "ar")
+        pipe = Pipeline.from_loaded(loaded, drafter, method=None if drafter else "ar",
+                                    attention_backend=args.attention_backend,
+                                    **({"proposal_kernel": args.proposal_kernel} if drafter
+                                       else {}))
         prompts = [pipe.encode(p) for p in texts]
         for t in args.temperature:
             kw = dict(max_new_tokens=args.max_new_tokens, temperature=t, ignore_eos=True)
