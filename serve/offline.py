@@ -54,22 +54,12 @@ def core_for(decoder: BatchDecoder, prompts: Sequence[Sequence[int]], max_new_to
     if not isinstance(max_slots, int) or max_slots < 1:
         raise InputError(f"the slot count (batch size) must be a positive integer, "
                          f"got {max_slots!r}")
-    if not prompts:
-        raise InputError("no prompts to generate from")
-    context = decoder.config.max_position_embeddings
+    decoder.check_request(prompts, max_new_tokens)   # empty, too long, outside the vocab
     longest = max(len(p) for p in prompts)
-    need = longest + max_new_tokens + decoder.extra_capacity
-    if need > context:
-        i = max(range(len(prompts)), key=lambda k: len(prompts[k]))
-        raise InputError(
-            f"prompt {i} has {longest} tokens; with max_new_tokens={max_new_tokens}"
-            + (f" and a {decoder.extra_capacity}-token verify block"
-               if decoder.extra_capacity else "")
-            + f" it needs {need} positions, past the model's context of {context}")
     chunk = slot_steps.bucket_up(min(longest, DEFAULT_PREFILL_CHUNK),
                                  slot_steps.row_buckets(DEFAULT_PREFILL_CHUNK, minimum=16))
     return EngineCore(decoder, max_slots=min(max_slots, len(prompts)),
-                      max_model_len=max(need, decoder.extra_capacity + 2),
+                      max_model_len=longest + max_new_tokens + decoder.extra_capacity,
                       prefill_chunk=chunk)
 
 
