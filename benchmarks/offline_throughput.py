@@ -20,7 +20,8 @@ tokens/s over AR's with the same engine, T and B; x_ar_best over AR's better eng
 row_passes: the target passes of every row, summed (tokens per row pass: tau).
 `batch` rows also give batch_passes (each batch decodes until its row with the most
 passes is done, summed over batches), row_pass_share = row_passes / (batch_passes x B)
-(the straggler cost) and ms_per_pass = seconds / batch_passes, prefill included; `slots`
+(the straggler cost), ms_per_pass = seconds / batch_passes, prefill included, and
+`loop_vs_engine`'s prefill_seconds, pass_ms (prefill excluded) and first_run_seconds; `slots`
 rows give the engine's steps (each: a prefill and/or a decode call of several passes) and
 compile_seconds (the first run's warm-up: every call shape of the slots compiled).
 """
@@ -33,7 +34,7 @@ import json
 import sys
 from pathlib import Path
 
-from dspine_benchmarks.loop_vs_engine import batches, compile_shapes, read_prompts
+from dspine_benchmarks.loop_vs_engine import batches, compile_shapes, read_prompts, time_engine
 
 ENGINES = ("batch", "slots")
 
@@ -62,28 +63,15 @@ def parse(argv=None):
     return args
 
 
-def row_passes(g) -> int:
-    """A row's target passes after the prefill (which emits its first token)."""
-    return len(g.accept_lengths) if g.accept_lengths else len(g.tokens) - 1
-
-
-def run_batch(pipe, prompts, rows, kw, workers) -> dict:
-    """Static batches of `rows`, the second of two runs."""
+def run_batch(pipe, prompts, rows, kw, workers, drafter) -> dict:
+    """Static batches of `rows`, each timed on its second run (`loop_vs_engine`'s)."""
     groups = batches(prompts, rows)
     compile_shapes(pipe.decoder, groups, workers, **kw)
-    for _ in range(2):
-        seconds, passes, own, slots, tokens = 0.0, 0, 0, 0, 0
-        for i, group in enumerate(groups):
-            res = pipe.decoder.generate(group, seed=i * rows, **kw)
-            seconds += res.seconds
-            counts = [row_passes(g) for g in res.generations]
-            passes += max(counts)
-            own += sum(counts)
-            slots += max(counts) * len(group)
-            tokens += sum(len(g.tokens) for g in res.generations)
-    return {"tokens": tokens, "seconds": seconds, "row_passes": own, "batch_passes": passes,
-            "row_pass_share": round(own / slots, 3),
-            "ms_per_pass": round(1e3 * seconds / passes, 3)}
+    tokens, accepts, seconds, fields = time_engine(pipe, groups, rows, drafter, kw)
+    # a row's passes after the prefill, which emits its first token (AR: one per token)
+    own = sum(len(a) for a in accepts) if drafter else sum(len(t) - 1 for t in tokens)
+    return {"tokens": sum(len(t) for t in tokens), "seconds": seconds, "row_passes": own,
+            **fields, "ms_per_pass": round(1e3 * seconds / fields["batch_passes"], 3)}
 
 
 def run_slots(pipe, prompts, rows, kw) -> dict:
@@ -93,7 +81,8 @@ def run_slots(pipe, prompts, rows, kw) -> dict:
     compiled = generate_slots(pipe.decoder, prompts, max_slots=rows, **kw).compile_seconds
     run = generate_slots(pipe.decoder, prompts, max_slots=rows, **kw)
     return {"tokens": sum(len(g.tokens) for g in run.generations), "seconds": run.seconds,
-            "row_passes": sum(row_passes(g) for g in run.generations), "steps": run.steps,
+            "row_passes": sum(len(g.accept_lengths) for g in run.generations),
+            "steps": run.steps,
             "preemptions": run.preemptions, "compile_seconds": round(compiled, 1)}
 
 
@@ -127,7 +116,7 @@ def main(argv=None):
             kw = dict(max_new_tokens=args.max_new_tokens, temperature=t, ignore_eos=True)
             for b in args.rows:
                 for engine in args.engine:
-                    got = (run_batch(pipe, prompts, b, kw, args.compile_workers)
+                    got = (run_batch(pipe, prompts, b, kw, args.compile_workers, drafter)
                            if engine == "batch" else run_slots(pipe, prompts, b, kw))
                     # a pass emits its accepted tokens; the prefill emits each row's first
                     row = {"method": method, "engine": engine, "temperature": t, "rows": b,
