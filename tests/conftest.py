@@ -77,6 +77,22 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_dspine_dir(tiny_llama_dir, tmp_path_factory) -> Path:
+    """A random one-layer DSpine drafter (block 4) for the tiny Llama, saved as a folder."""
+    from dspine_jax.checkpoints import load_target
+    from dspine_jax.drafters.checkpoint import save_drafter
+    from dspine_jax.drafters.config import DrafterConfig
+    from dspine_jax.drafters.model import BlockDrafter
+
+    loaded = load_target(tiny_llama_dir, dtype="f32")
+    config = DrafterConfig.for_target(loaded.config, kind="dspine", num_layers=1,
+                                      mask_token_id=0, block_size=4)
+    folder = tmp_path_factory.mktemp("tiny_dspine")
+    save_drafter(BlockDrafter.create(config, loaded.model.output_embedding(), seed=1), folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     from dspine_jax.registry import resolve_target
 

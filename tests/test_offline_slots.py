@@ -27,16 +27,8 @@ def loaded(tiny_llama_dir):
 
 
 @pytest.fixture(scope="module")
-def dspine(loaded, tmp_path_factory) -> Pipeline:
-    from dspine_jax.drafters.checkpoint import save_drafter
-    from dspine_jax.drafters.config import DrafterConfig
-    from dspine_jax.drafters.model import BlockDrafter
-
-    config = DrafterConfig.for_target(loaded.config, kind="dspine", num_layers=1,
-                                      mask_token_id=0, block_size=4)
-    folder = tmp_path_factory.mktemp("tiny_dspine_slots")
-    save_drafter(BlockDrafter.create(config, loaded.model.output_embedding(), seed=1), folder)
-    return Pipeline.from_loaded(loaded, folder)
+def dspine(loaded, tiny_dspine_dir) -> Pipeline:
+    return Pipeline.from_loaded(loaded, tiny_dspine_dir)
 
 
 @pytest.mark.parametrize("method", ["dspine", "ar"])

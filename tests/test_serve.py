@@ -51,17 +51,8 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def pipe(tiny_llama_dir, tmp_path_factory) -> Pipeline:
-    from dspine_jax.drafters.checkpoint import save_drafter
-    from dspine_jax.drafters.config import DrafterConfig
-    from dspine_jax.drafters.model import BlockDrafter
-
-    loaded = load_target(tiny_llama_dir, dtype="f32")
-    config = DrafterConfig.for_target(loaded.config, kind="dspine", num_layers=1,
-                                      mask_token_id=0, block_size=4)
-    folder = tmp_path_factory.mktemp("tiny_dspine")
-    save_drafter(BlockDrafter.create(config, loaded.model.output_embedding(), seed=1), folder)
-    return Pipeline.from_loaded(loaded, folder)
+def pipe(tiny_llama_dir, tiny_dspine_dir) -> Pipeline:
+    return Pipeline.from_loaded(load_target(tiny_llama_dir, dtype="f32"), tiny_dspine_dir)
 
 
 @pytest.fixture(scope="module")
