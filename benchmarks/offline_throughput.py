@@ -10,8 +10,8 @@ For each method, temperature and row count B, the same prompts decode with
   batch   the batch engine: static batches of B, each until its row with the most target
           passes is done (a speculative row advances by its own accepted length per pass,
           so the slowest row sets the batch's passes);
-  slots   `engine="slots"` (`dspine_serve.offline`): B slots of the serving engine's core,
-          a finished row's slot taking the next prompt at once.
+  slots   `dspine_serve.offline` (`dspine generate --engine slots`): B slots of the
+          serving engine's core, a finished row's slot taking the next prompt at once.
 Every row decodes exactly --max-new-tokens (EOS ignored), so every method emits the same
 tokens. Each (method, engine, T, B) compiles every shape it needs first, then decodes
 all prompts twice and times the second run (the first also pays XLA's one-time setup

@@ -23,7 +23,6 @@ from dspine_jax.registry import BUILTIN_DRAFTERS, DEFAULT_TARGET, resolve_drafte
 from dspine_jax.sampling import validate_sampling
 
 METHODS = ("ar", "dflash", "dspine")
-ENGINES = ("batch", "slots")   # static batches, or continuous batching over slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +133,12 @@ class Result:
                 "compile_seconds": round(self.compile_seconds, 2)}
 
 
+def as_prompts(prompts: Sequence[Prompt | str], chat: bool | None = None) -> list[Prompt]:
+    """Prompts as `Prompt`s; `chat` overrides every prompt's own flag when given."""
+    return [Prompt(p, bool(chat)) if isinstance(p, str) else
+            (dataclasses.replace(p, chat=chat) if chat is not None else p) for p in prompts]
+
+
 class Pipeline:
     def __init__(self, target: LoadedTarget, decoder: BatchDecoder, method: str):
         self.target, self.decoder, self.method = target, decoder, method
@@ -207,22 +212,12 @@ class Pipeline:
     def generate(self, prompts: Sequence[Prompt | str], *, chat: bool | None = None,
                  max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int = 0, ignore_eos: bool = False,
-                 batch_size: int = 8, engine: str = "batch") -> list[Result]:
-        """Decode prompts; results keep the input order. `chat` overrides every prompt's
-        own flag when given. engine "batch": static batches of `batch_size` rows, each
-        running until its longest row is done (prompts of batch b sample from seed + its
-        first index); "slots": continuous batching over `batch_size` slots, a finished
-        row's slot taking the next prompt at once (`dspine_serve.offline`; prompt i
-        samples from seed + i)."""
+                 batch_size: int = 8) -> list[Result]:
+        """Decode prompts in batches of `batch_size`; results keep the input order.
+        `chat` overrides every prompt's own flag when given. (Continuous batching over
+        slots instead: `dspine_serve.offline.generate`.)"""
         validate_sampling(temperature, top_p, top_k)
-        if engine not in ENGINES:
-            raise InputError(f"unknown engine {engine!r}; choose from {', '.join(ENGINES)}")
-        prompts = [Prompt(p, bool(chat)) if isinstance(p, str) else
-                   (dataclasses.replace(p, chat=chat) if chat is not None else p) for p in prompts]
-        if engine == "slots":
-            return self._generate_slots(prompts, max_new_tokens=max_new_tokens,
-                                        temperature=temperature, top_p=top_p, top_k=top_k,
-                                        seed=seed, ignore_eos=ignore_eos, slots=batch_size)
+        prompts = as_prompts(prompts, chat)
         results = []
         for start in range(0, len(prompts), batch_size):
             chunk = prompts[start:start + batch_size]
@@ -237,17 +232,6 @@ class Pipeline:
                     accept_lengths=g.accept_lengths, seconds=batch.seconds,
                     compile_seconds=batch.compile_seconds, batch_size=len(chunk)))
         return results
-
-    def _generate_slots(self, prompts: list[Prompt], *, slots: int, **options) -> list[Result]:
-        from dspine_serve.offline import generate_slots
-
-        run = generate_slots(self.decoder, [self.encode(p) for p in prompts],
-                             max_slots=slots, **options)
-        return [Result(text=self.tokenizer.decode(g.tokens), tokens=g.tokens,
-                       prompt_tokens=g.prompt_tokens, finish_reason=g.finish_reason,
-                       accept_lengths=g.accept_lengths, seconds=run.seconds,
-                       compile_seconds=run.compile_seconds, batch_size=slots)
-                for g in run.generations]
 
     def stream(self, prompt: Prompt | str, *, chat: bool = False, **options) -> Iterator[str]:
         """Yield text as it is decoded (incomplete UTF-8 is held back); returns the Result."""

@@ -24,6 +24,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=N
                   help="DSpine-JAX: speculative decoding with DSpine and DFlash drafters.")
 
 
+ENGINES = ("batch", "slots")   # generate: static batches, or continuous batching over slots
+
+
 def _fail(error: Exception) -> None:
     typer.echo(f"error: {error}", err=True)
     raise typer.Exit(code=2)
@@ -60,7 +63,7 @@ def generate(
 ):
     """Generate text: autoregressive, or speculative with a DFlash or DSpine drafter."""
     try:
-        from dspine_jax.api import ENGINES, Pipeline, Prompt
+        from dspine_jax.api import Pipeline, Prompt
         from dspine_jax.sampling import validate_sampling
 
         # Everything checkable is checked before Pipeline.load: loading takes seconds.
@@ -80,7 +83,12 @@ def generate(
         sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                         top_k=top_k, seed=seed, ignore_eos=ignore_eos)
         if as_json or len(prompts) > 1 or engine == "slots":
-            results = pipe.generate(prompts, batch_size=batch_size, engine=engine, **sampling)
+            if engine == "slots":
+                from dspine_serve.offline import generate as generate_in_slots
+
+                results = generate_in_slots(pipe, prompts, slots=batch_size, **sampling)
+            else:
+                results = pipe.generate(prompts, batch_size=batch_size, **sampling)
             for result in results:
                 print(json.dumps(result.to_json(pipe.method)) if as_json else result.text)
             cut = [i for i, r in enumerate(results, 1) if r.finish_reason == "length"]

@@ -1,9 +1,9 @@
 """Offline generation with continuous batching: the serving engine's core, no HTTP.
 
-`Pipeline.generate(..., engine="slots")` and `dspine generate --engine slots` decode a
-list of prompts through `max_slots` slots: a response that ends frees its slot for the
-next prompt at once, where static batches (`engine="batch"`) run until their longest row
-is done. With a drafter that matters even when every row decodes the same number of
+`generate(pipe, prompts, slots=B)` (a `Pipeline.generate` with continuous batching) and
+`dspine generate --engine slots` decode a list of prompts through B slots: a response that ends frees its slot for the
+next prompt at once, where static batches (`Pipeline.generate`) run until their longest
+row is done. With a drafter that matters even when every row decodes the same number of
 tokens: each row advances by its own accepted length per pass, so a static batch of 8
 runs as many passes as its slowest row, and the slots keep every row busy instead.
 
@@ -22,9 +22,10 @@ from typing import Sequence
 
 import numpy as np
 
+from dspine_jax.api import Pipeline, Prompt, Result, as_prompts
 from dspine_jax.decoding import BatchDecoder
 from dspine_jax.errors import InputError
-from dspine_jax.sampling import batch_sampling_mode
+from dspine_jax.sampling import batch_sampling_mode, validate_sampling
 from dspine_serve import slot_steps
 from dspine_serve.engine_core import DEFAULT_PREFILL_CHUNK, EngineCore, SamplingOptions
 
@@ -101,3 +102,21 @@ def generate_slots(decoder: BatchDecoder, prompts: Sequence[Sequence[int]], *,
     generations = [SlotGeneration(t, a, r, len(p))
                    for t, a, r, p in zip(tokens, accepts, reasons, prompts)]
     return SlotRun(generations, seconds, compile_seconds, steps, core.preemptions)
+
+
+def generate(pipe: Pipeline, prompts: Sequence[Prompt | str], *, chat: bool | None = None,
+             max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
+             top_k: int = 0, seed: int = 0, ignore_eos: bool = False,
+             slots: int = 8) -> list[Result]:
+    """`Pipeline.generate` through `slots` slots of continuous batching; results keep the
+    input order. Prompt i samples from seed + i; `seconds` is the whole run's."""
+    validate_sampling(temperature, top_p, top_k)
+    prompts = as_prompts(prompts, chat)
+    run = generate_slots(pipe.decoder, [pipe.encode(p) for p in prompts],
+                         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                         top_k=top_k, seed=seed, ignore_eos=ignore_eos, max_slots=slots)
+    return [Result(text=pipe.tokenizer.decode(g.tokens), tokens=g.tokens,
+                   prompt_tokens=g.prompt_tokens, finish_reason=g.finish_reason,
+                   accept_lengths=g.accept_lengths, seconds=run.seconds,
+                   compile_seconds=run.compile_seconds, batch_size=slots)
+            for g in run.generations]

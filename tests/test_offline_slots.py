@@ -1,4 +1,5 @@
-"""Offline continuous batching (`engine="slots"`, `dspine generate --engine slots`): at T = 0
+"""Offline continuous batching (`dspine_serve.offline.generate`, `dspine generate --engine
+slots`): at T = 0
 it equals the static batch engine token for token (the target's greedy output), acceptance
 lengths included; a sampled prompt's response depends on its seed alone, not on the slot
 count; bad input is refused before anything compiles.
@@ -16,6 +17,7 @@ from typer.testing import CliRunner
 from dspine_jax.api import Pipeline
 from dspine_jax.checkpoints import load_target
 from dspine_jax.errors import InputError
+from dspine_serve.offline import generate as generate_in_slots
 
 PROMPTS = ["the quick brown fox", "hello world", "def f(x):", "the lazy dog", "over the",
            "jumps over the lazy dog", "brown fox hello"]
@@ -37,7 +39,7 @@ def test_slots_equal_static_batches_at_t0(loaded, dspine, method):
     target's greedy one, and ignore_eos=False lets rows end at different lengths."""
     pipe = dspine if method == "dspine" else Pipeline.from_loaded(loaded, method="ar")
     batch = pipe.generate(PROMPTS, max_new_tokens=20, batch_size=3)
-    slots = pipe.generate(PROMPTS, max_new_tokens=20, batch_size=3, engine="slots")
+    slots = generate_in_slots(pipe, PROMPTS, max_new_tokens=20, slots=3)
     assert [r.tokens for r in slots] == [r.tokens for r in batch]
     assert [r.finish_reason for r in slots] == [r.finish_reason for r in batch]
     assert [r.text for r in slots] == [r.text for r in batch]
@@ -52,16 +54,15 @@ def test_slots_equal_static_batches_at_t0(loaded, dspine, method):
 
 
 def test_sampled_response_depends_on_its_seed_not_the_slot_count(dspine):
-    kw = dict(max_new_tokens=16, temperature=1.0, top_p=0.9, seed=5, engine="slots",
-              ignore_eos=True)
-    one = dspine.generate(PROMPTS[:4], batch_size=1, **kw)
-    four = dspine.generate(PROMPTS[:4], batch_size=4, **kw)
+    kw = dict(max_new_tokens=16, temperature=1.0, top_p=0.9, seed=5, ignore_eos=True)
+    one = generate_in_slots(dspine, PROMPTS[:4], slots=1, **kw)
+    four = generate_in_slots(dspine, PROMPTS[:4], slots=4, **kw)
     assert [r.tokens for r in one] == [r.tokens for r in four]
     assert all(len(r.tokens) == 16 for r in one)
     # prompt i samples from seed + i: the second prompt alone at seed 6 is the same text
-    [alone] = dspine.generate(PROMPTS[1:2], batch_size=2, **{**kw, "seed": 6})
+    [alone] = generate_in_slots(dspine, PROMPTS[1:2], slots=2, **{**kw, "seed": 6})
     assert alone.tokens == one[1].tokens
-    other = dspine.generate(PROMPTS[:4], batch_size=4, **{**kw, "seed": 99})
+    other = generate_in_slots(dspine, PROMPTS[:4], slots=4, **{**kw, "seed": 99})
     assert [r.tokens for r in other] != [r.tokens for r in one]
 
 
@@ -72,15 +73,13 @@ def test_bad_input_is_refused_before_compiling(dspine, monkeypatch):
         raise AssertionError("compiled before checking the input")
 
     monkeypatch.setattr(EngineCore, "warmup", no_warmup)
-    with pytest.raises(InputError, match="unknown engine 'slot'"):
-        dspine.generate(PROMPTS, engine="slot")
     context = dspine.decoder.config.max_position_embeddings
     with pytest.raises(InputError, match=f"context of {context}"):
-        dspine.generate(PROMPTS, max_new_tokens=context, engine="slots")
+        generate_in_slots(dspine, PROMPTS, max_new_tokens=context)
     with pytest.raises(InputError, match="positive integer"):
-        dspine.generate(PROMPTS, batch_size=0, engine="slots")
+        generate_in_slots(dspine, PROMPTS, slots=0)
     with pytest.raises(InputError, match="no prompts"):
-        dspine.generate([], engine="slots")
+        generate_in_slots(dspine, [])
 
 
 def test_generate_command_with_slots(tiny_llama_dir, loaded, tmp_path):
