@@ -38,7 +38,6 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import os
-import weakref
 
 import jax
 import jax.numpy as jnp
@@ -46,9 +45,6 @@ import numpy as np
 
 from dspine_jax.decoding import BatchDecoder, DecodeState, request_keys
 from dspine_jax.sampling import params_for_mode
-
-_COMPILED: "weakref.WeakKeyDictionary[BatchDecoder, CompiledSteps]" = (
-    weakref.WeakKeyDictionary())
 
 # The per-row fields of each call, the columns of its int32 row matrix.
 DECODE_FIELDS = ("slot", "temperature", "top_p", "top_k", "ignore_eos", "read",
@@ -174,10 +170,13 @@ class CompiledSteps:
 
 
 def compiled(decoder: BatchDecoder) -> CompiledSteps:
-    """The decoder's compiled calls (shared by every EngineCore over it)."""
-    if decoder not in _COMPILED:
-        _COMPILED[decoder] = CompiledSteps(decoder)
-    return _COMPILED[decoder]
+    """The decoder's compiled calls (shared by every EngineCore over it), kept on the
+    decoder so that they go with it: the calls hold the decoder, so a table keyed by it
+    (even a weak one) would keep every decoder and its executables alive."""
+    steps = getattr(decoder, "_slot_steps", None)
+    if steps is None:
+        steps = decoder._slot_steps = CompiledSteps(decoder)
+    return steps
 
 
 def empty_state(decoder: BatchDecoder, page_table, num_pages: int, out_len: int) -> DecodeState:
