@@ -24,6 +24,9 @@ passes is done, summed over batches), row_pass_share = row_passes / (batch_passe
 `loop_vs_engine`'s prefill_seconds, pass_ms (prefill excluded) and first_run_seconds; `slots`
 rows give the engine's steps (each: a prefill and/or a decode call of several passes) and
 compile_seconds (the first run's warm-up: every call shape of the slots compiled).
+same_as_ar (T = 0, when AR ran): the share of prompts whose tokens equal AR's from the
+batch engine at the same B; lossless decoding gives 1 in float32, and in bf16 AR's own
+slots row is the baseline (near-ties flip a few rows between any two call shapes).
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ def run_batch(pipe, prompts, rows, kw, workers, drafter) -> dict:
     # a row's passes after the prefill, which emits its first token (AR: one per token)
     own = sum(len(a) for a in accepts) if drafter else sum(len(t) - 1 for t in tokens)
     return {"tokens": sum(len(t) for t in tokens), "seconds": seconds, "row_passes": own,
-            **fields, "ms_per_pass": round(1e3 * seconds / fields["batch_passes"], 3)}
+            **fields, "ms_per_pass": round(1e3 * seconds / fields["batch_passes"], 3)}, tokens
 
 
 def run_slots(pipe, prompts, rows, kw) -> dict:
@@ -83,7 +86,8 @@ def run_slots(pipe, prompts, rows, kw) -> dict:
     return {"tokens": sum(len(g.tokens) for g in run.generations), "seconds": run.seconds,
             "row_passes": sum(len(g.accept_lengths) for g in run.generations),
             "steps": run.steps,
-            "preemptions": run.preemptions, "compile_seconds": round(compiled, 1)}
+            "preemptions": run.preemptions, "compile_seconds": round(compiled, 1)}, [
+        g.tokens for g in run.generations]
 
 
 def main(argv=None):
@@ -106,6 +110,7 @@ def main(argv=None):
             "attention_backend": args.attention_backend,
             "proposal_kernel": args.proposal_kernel}
     rows = []
+    greedy_ar = {}      # rows -> AR's T = 0 tokens from the batch engine (the reference)
     for method, drafter in methods:
         pipe = Pipeline.from_loaded(loaded, drafter, method=None if drafter else "ar",
                                     attention_backend=args.attention_backend,
@@ -116,8 +121,16 @@ def main(argv=None):
             kw = dict(max_new_tokens=args.max_new_tokens, temperature=t, ignore_eos=True)
             for b in args.rows:
                 for engine in args.engine:
-                    got = (run_batch(pipe, prompts, b, kw, args.compile_workers, drafter)
-                           if engine == "batch" else run_slots(pipe, prompts, b, kw))
+                    got, tokens = (
+                        run_batch(pipe, prompts, b, kw, args.compile_workers, drafter)
+                        if engine == "batch" else run_slots(pipe, prompts, b, kw))
+                    if t == 0 and method == "ar" and engine == "batch":
+                        greedy_ar[b] = tokens
+                    if t == 0 and b in greedy_ar:
+                        # lossless at T = 0 means AR's tokens; bf16 near-ties flip some
+                        # rows even between AR's own two engines (the baseline)
+                        same = [x == y for x, y in zip(tokens, greedy_ar[b])]
+                        got["same_as_ar"] = round(sum(same) / len(same), 4)
                     # a pass emits its accepted tokens; the prefill emits each row's first
                     row = {"method": method, "engine": engine, "temperature": t, "rows": b,
                            **got, "seconds": round(got["seconds"], 4),
@@ -148,13 +161,13 @@ def add_ratios(rows) -> None:
 
 def table(rows) -> str:
     head = ("| method | T | rows | engine | tok/s | x AR | x best AR | tau | row pass share "
-            "| ms per pass |")
-    lines = [head, "|" + "---|" * 10]
+            "| ms per pass | same as AR |")
+    lines = [head, "|" + "---|" * 11]
     for r in rows:
         lines.append(f"| {r['method']} | {r['temperature']:g} | {r['rows']} | {r['engine']} | "
                      f"{r['tokens_per_s']:,.0f} | {r.get('x_ar', '')} | "
                      f"{r.get('x_ar_best', '')} | {r['tau']} | {r.get('row_pass_share', 1)} | "
-                     f"{r.get('ms_per_pass', '')} |")
+                     f"{r.get('ms_per_pass', '')} | {r.get('same_as_ar', '')} |")
     return "\n".join(lines)
 
 

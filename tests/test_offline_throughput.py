@@ -39,3 +39,5 @@ def test_rows_of_both_engines(tiny_llama_dir, tmp_path):
     assert batch["row_passes"] == slots["row_passes"] and batch["tau"] == slots["tau"]
     assert batch["batch_passes"] * 2 >= batch["row_passes"] and batch["row_pass_share"] <= 1
     assert slots["steps"] > 0 and slots["preemptions"] == 0
+    # float32 at T = 0: every engine emits AR's own tokens
+    assert [r["same_as_ar"] for r in rows] == [1.0] * 4

@@ -197,6 +197,54 @@ def test_gpu_kernel_page_larger_than_key_tile_interpreted():
     check_case("pallas_gpu", True, 1, LONG_PAGE_CASE, kernel_kw=dict(block_n=32))
 
 
+def check_rows_without_pages(implementation, interpret):
+    """The slot engine's page table: entries past a row's pages hold the pool size P ("no
+    page"), and its padding rows (a verify block at length 0) hold P everywhere. Nothing
+    may be written through such an id; the other rows are as without them."""
+    name, t, kv_heads, group, h, dtype, mask, page_size, kv_lens, q_lens = CASES[2]
+    case = make_case(2, t, kv_heads, group, h, dtype, page_size, kv_lens, q_lens)
+    num_pages = case["k_pages"].shape[0]
+    table = case["page_table"].copy()
+    used = -(-case["kv_lens"] // page_size)
+    for i in range(len(table)):
+        table[i, used[i]:] = num_pages
+    padding = [0]                          # kv_len == q_len == 16: nothing cached yet
+    assert all(case["kv_lens"][i] == case["q_lens"][i] for i in padding)
+    table[padding] = num_pages
+    args = [jnp.asarray(case[k]) for k in ("q", "new_k", "new_v", "k_pages", "v_pages")]
+    args += [jnp.asarray(table), jnp.asarray(case["kv_lens"]), jnp.asarray(case["q_lens"])]
+    out, k_pages, v_pages = ragged_paged_attention(*args, mask=mask,
+                                                   implementation=implementation,
+                                                   interpret=interpret)
+    kept = [i for i in range(len(table)) if i not in padding]
+    rows = {k: case[k][kept] for k in ("q", "new_k", "new_v", "page_table", "kv_lens",
+                                       "q_lens")}
+    ref_out, ref_k, ref_v = numpy_reference({**case, **rows}, mask, h ** -0.5)
+    np.testing.assert_array_equal(bits(k_pages), bits(ref_k))
+    np.testing.assert_array_equal(bits(v_pages), bits(ref_v))
+    valid = np.arange(t)[None, :] < rows["q_lens"][:, None]
+    np.testing.assert_allclose(np.asarray(out, np.float64)[kept][valid], ref_out[valid],
+                               rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.parametrize("implementation", INTERPRETED)
+def test_rows_without_pages_write_nothing(implementation):
+    """(Interpret mode drops a store past the pool by itself; the GPU kernel's own mask
+    is checked by test_gpu_kernel_stores_only_into_the_pool.)"""
+    check_rows_without_pages(implementation, implementation != "xla")
+
+
+def test_gpu_kernel_stores_only_into_the_pool():
+    """On a GPU nothing drops a store past the pool: the fused write's mask must."""
+    num_pages, t = 5, 16
+    t_idx = jnp.arange(t)
+    page = jnp.array([0, 4, 5, 6, -1, 2**16, 3, 5] * 2)       # in range, P, past P, negative
+    lanes = np.asarray(rpa_gpu.store_lanes(t_idx, 12, page, num_pages))
+    expect = (np.arange(t) < 12) & (np.asarray(page) >= 0) & (np.asarray(page) < num_pages)
+    np.testing.assert_array_equal(lanes, expect)
+    assert not rpa_gpu.store_lanes(t_idx, t, jnp.full((t,), num_pages), num_pages).any()
+
+
 def _needs_cuda():
     if jax.default_backend() != "gpu":
         pytest.skip(f"needs a CUDA GPU; JAX backend here is {jax.default_backend()!r}")
@@ -222,6 +270,12 @@ def test_gpu_kernel_configs_compiled(config):
 def test_gpu_kernel_combine_kernel_compiled(case_id):
     _needs_cuda()
     check_case("pallas_gpu", False, case_id, CASES[case_id], kernel_kw=dict(combine="kernel"))
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_rows_without_pages_compiled():
+    _needs_cuda()
+    check_rows_without_pages("pallas_gpu", False)
 
 
 @pytest.mark.gpu

@@ -32,7 +32,9 @@ def ragged_paged_attention(q, new_k, new_v, k_pages, v_pages, page_table, kv_len
       q: [B, T, N, H] queries; row b uses its first q_lens[b], the rest are padding.
       new_k, new_v: [B, T, K, H] keys/values of those T tokens (RoPE already applied).
       k_pages, v_pages: [P, page_size, K, H] the layer's page pools (donate them).
-      page_table: [B, pages_per_seq] int32 page ids of each row, in order.
+      page_table: [B, pages_per_seq] int32 page ids of each row, in order. An id outside
+        [0, P) (the engines use P: "no page") takes no write, and a key read through
+        one reads some page of the pool (XLA's scatter drops, its gather clamps).
       kv_lens: [B] int32 keys valid after this call's write (context + q_lens[b]).
       q_lens: [B] int32, 0 <= q_lens <= T; a row with q_lens 0 writes nothing.
       mask: "causal" (query at absolute position p sees keys [0, p]) or "bidirectional"

@@ -75,6 +75,15 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
+def store_lanes(t_idx, q_len, page, num_pages):
+    """Which of a row's new tokens the fused write stores: the real ones (t < q_len)
+    whose page id is in the pool. An out-of-range id is how a row says "no page here" (the
+    slot engine's padding rows, every entry the pool size) and drops the write, as
+    `write_new_tokens`'s XLA scatter does; stored, it would land past the pool, in
+    whatever buffer follows it."""
+    return (t_idx < q_len) & (page >= 0) & (page < num_pages)
+
+
 def _kernel(page_table_ref, kv_lens_ref, q_lens_ref, q_ref, new_k_ref, new_v_ref,   # inputs
             k_ref, v_ref,
             o_ref, m_ref, l_ref, k_out_ref, v_out_ref,                      # outputs
@@ -90,6 +99,7 @@ def _kernel(page_table_ref, kv_lens_ref, q_lens_ref, q_ref, new_k_ref, new_v_ref
     num_splits = pl.num_programs(2)
     pages_per_seq = page_table_ref.shape[1] // 2
     n_heads = kv_heads * group
+    num_pages = k_ref.shape[0] // (page_size * kv_heads)
 
     kv_len = kv_lens_ref[b]
     q_len = q_lens_ref[b]
@@ -131,15 +141,20 @@ def _kernel(page_table_ref, kv_lens_ref, q_lens_ref, q_ref, new_k_ref, new_v_ref
         hi = page_table_ref[b, 2 * entry + 1].astype(jnp.int32)
         return lo | (hi << 16)
 
+    def read_page(entry):
+        # an out-of-range id reads the pool's last page (as XLA's gather clamps), so a
+        # bad table cannot fault; the engines never read through one
+        return jnp.clip(page_id(entry), 0, num_pages - 1)
+
     def load_kv(tile, pos):
         # One [BN, H] tile of keys/values through the page table: each key's H values
         # are contiguous in the pool (consecutive keys of one kv head are K * H apart),
         # BN / PS page ids per tile.
         first = tile * (block_n // page_size) if block_n >= page_size else (
             tile * block_n) // page_size
-        page = page_id(jnp.minimum(first, last_entry))
+        page = read_page(jnp.minimum(first, last_entry))
         for j in range(1, max(1, block_n // page_size)):
-            page_j = page_id(jnp.minimum(first + j, last_entry))
+            page_j = read_page(jnp.minimum(first + j, last_entry))
             page = jnp.where(pos >= (first + j) * page_size, page_j, page)
         row = (page * page_size + pos % page_size) * kv_heads + kh
         return k_ref[row, :], v_ref[row, :]
@@ -216,7 +231,7 @@ def _kernel(page_table_ref, kv_lens_ref, q_lens_ref, q_ref, new_k_ref, new_v_ref
                 t_idx = start + jnp.arange(chunk, dtype=jnp.int32)
                 pos = ctx + t_idx
                 page = page_id(jnp.clip(pos // page_size, 0, pages_per_seq - 1))
-                real = t_idx < q_len
+                real = store_lanes(t_idx, q_len, page, num_pages)
                 dst = (page * page_size + pos % page_size) * kv_heads + kh
                 # masked lanes get distinct rows past the pool: never stored on a GPU, and
                 # interpret mode (which stores a masked lane by writing back what it read)
