@@ -24,8 +24,8 @@ passes is done, summed over batches), row_pass_share = row_passes / (batch_passe
 `loop_vs_engine`'s prefill_seconds, pass_ms (prefill excluded) and first_run_seconds; `slots`
 rows give the engine's steps (each: a prefill and/or a decode call of several passes) and
 compile_seconds (the first run's warm-up: every call shape of the slots compiled).
-same_as_ar (T = 0, when AR ran): the share of prompts whose tokens equal AR's from the
-batch engine at the same B; lossless decoding gives 1 in float32, and in bf16 AR's own
+same_as_ar (T = 0, when AR ran): the share of prompts whose tokens equal AR's from its
+first engine (batch, unless --engine slots alone) at the same B; lossless decoding gives 1 in float32, and in bf16 AR's own
 slots row is the baseline (near-ties flip a few rows between any two call shapes).
 """
 
@@ -110,7 +110,7 @@ def main(argv=None):
             "attention_backend": args.attention_backend,
             "proposal_kernel": args.proposal_kernel}
     rows = []
-    greedy_ar = {}      # rows -> AR's T = 0 tokens from the batch engine (the reference)
+    greedy_ar = {}      # rows -> AR's T = 0 tokens from its first engine (the reference)
     for method, drafter in methods:
         pipe = Pipeline.from_loaded(loaded, drafter, method=None if drafter else "ar",
                                     attention_backend=args.attention_backend,
@@ -124,7 +124,7 @@ def main(argv=None):
                     got, tokens = (
                         run_batch(pipe, prompts, b, kw, args.compile_workers, drafter)
                         if engine == "batch" else run_slots(pipe, prompts, b, kw))
-                    if t == 0 and method == "ar" and engine == "batch":
+                    if t == 0 and method == "ar" and b not in greedy_ar:
                         greedy_ar[b] = tokens
                     if t == 0 and b in greedy_ar:
                         # lossless at T = 0 means AR's tokens; bf16 near-ties flip some
