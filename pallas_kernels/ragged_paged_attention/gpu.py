@@ -36,6 +36,8 @@ row's new tokens into the (aliased, donated) pools while the others read. That s
 two XLA scatter kernels per layer a small call otherwise pays (at batch 1 on SmolLM2
 they were 7% of an AR step's device time and 10% of a DSpine pass's). Longer calls
 (prefill) are written by an XLA scatter first and read from the pools like every key.
+A page id outside the pool takes no store (`store_lanes`), as the scatter drops it: the
+slot engine's padding rows hold the pool size in every entry.
 
 Why Triton and not Mosaic GPU. Mosaic GPU (`plgpu`) is the supported Hopper lowering and
 its TMA copies take a dynamic leading index, but (a) its pipelines fetch one rectangular
