@@ -25,8 +25,9 @@ passes is done, summed over batches), row_pass_share = row_passes / (batch_passe
 rows give the engine's steps (each: a prefill and/or a decode call of several passes) and
 compile_seconds (the first run's warm-up: every call shape of the slots compiled).
 same_as_ar (T = 0, when AR ran): the share of prompts whose tokens equal AR's from its
-first engine (batch, unless --engine slots alone) at the same B; lossless decoding gives 1 in float32, and in bf16 AR's own
-slots row is the baseline (near-ties flip a few rows between any two call shapes).
+first engine (batch, unless --engine slots alone) at the same B; lossless decoding gives
+1 in exact float32, and in bf16 AR's own slots row is the baseline (near-ties flip a few
+rows between any two call shapes).
 """
 
 from __future__ import annotations
