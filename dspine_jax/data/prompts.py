@@ -121,7 +121,9 @@ def read_jsonl(path) -> list[tuple[int, object]]:
     if not path.is_file():
         raise InputError(f"{path}: no such prompts file")
     records = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    # JSON Lines ends a line at "\n" alone: splitlines() would also cut inside strings
+    # that hold U+2028, U+0085 or other separators written unescaped (ensure_ascii=False)
+    for number, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
         if not line.strip():
             continue
         try:
