@@ -124,15 +124,15 @@ def check_sha256(path: Path, expected: str, origin: str) -> None:
                               "Delete it and run again.")
 
 
-# Built-in drafters: the replication's shipped pair (docs/replication.md), 3,000 steps each:
-# `STEPS=3000 KINDS="dflash dspine-ce-no-alignment" train/replicate_smollm2.sh train`.
+# Built-in drafters: the replication's shipped pair (docs/replication.md, "The shipped
+# pair"), 5,000 steps each on 31.7 k regenerated ShareGPT turns: `train/ship_smollm2.sh`.
 # Shipped in the source tree, bf16 safetensors.
 DRAFTER_ASSETS = Path(__file__).parent / "assets" / "drafters"
 BUILTIN_DRAFTERS = {  # name -> sha256 of its model.safetensors
     "smollm2-135m-instruct-dflash":
-        "2fdaad5ec67137a22b0b347e28be317b0bc365695bf18cfccd3a932ac042fb04",
+        "37a94731719c7c55874ab67933588653b1350cd4994d991b6bcbf9df300ee01f",
     "smollm2-135m-instruct-dspine":
-        "9da6d43d6d8a632925bc1181dfa3b6323ee0e6ad28e945cacf1a028b7a7bbf4c",
+        "ab8fa60592bbaa17c5f3905a15062c2bf9a94b4aae75e58b25dd7a57cbe1c5e1",
 }
 
 

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# The shipped SmolLM2-135M-Instruct drafters (docs/replication.md, "The shipped pair"): a
+# prompts file of every ShareGPT training turn cut to 256 tokens (first turns first), the
+# target's greedy answers (up to 256 tokens) to its first 31,744 prompts, DFlash and DSpine
+# (CE backbone, no alignment) trained identically for 5,000 steps at 512 tokens, saved in
+# bf16 as they ship, and both evaluated against AR at T = 0 and T = 1. Every stage resumes
+# or skips what is done, so the script can be rerun after an interruption.
+#
+#   train/ship_smollm2.sh [prompts|data|train|eval|all]
+#
+# Environment knobs (defaults = the shipped run):
+#   RUNS=runs  PROMPT_FILE=$RUNS/prompts-256.jsonl  PROMPTS=31744  MAX_PROMPT=256  MAX_NEW=256
+#   REGEN_BATCH=1024 (slots)  SHARD=1024  STEPS=5000  SEQ_LEN=512
+#   KINDS="dflash dspine-ce-no-alignment"  TRAIN_SET="..." (extra --set for every training)
+#   EVAL_LIMIT=32  EVAL_BATCH=32  EVAL_PROMPT=768  TEMPS="0 1"
+# The built-in drafters are $RUNS/ship-<kind>/drafter-bf16/ (copy them into
+# dspine_jax/assets/drafters/ and their sha256 into dspine_jax/registry.py).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+RUNS=${RUNS:-runs}
+PROMPT_FILE=${PROMPT_FILE:-$RUNS/prompts-256.jsonl}
+PROMPTS=${PROMPTS:-31744}
+MAX_PROMPT=${MAX_PROMPT:-256}
+MAX_NEW=${MAX_NEW:-256}
+REGEN_BATCH=${REGEN_BATCH:-1024}
+SHARD=${SHARD:-1024}
+STEPS=${STEPS:-5000}
+SEQ_LEN=${SEQ_LEN:-512}
+KINDS=${KINDS:-"dflash dspine-ce-no-alignment"}
+TRAIN_SET=${TRAIN_SET:-}
+EVAL_LIMIT=${EVAL_LIMIT:-32}
+EVAL_BATCH=${EVAL_BATCH:-32}
+EVAL_PROMPT=${EVAL_PROMPT:-768}
+TEMPS=${TEMPS:-"0 1"}
+
+source train/smollm2_common.sh
+
+stage_prompts() {
+  [[ -f $PROMPT_FILE ]] && { echo "$PROMPT_FILE: already written"; return; }
+  timed prompts python -m dspine_train.prompt_file --out "$PROMPT_FILE" \
+    --max-prompt-tokens "$MAX_PROMPT"
+}
+
+stage_data() {
+  [[ -f $PROMPT_FILE ]] || stage_prompts
+  timed data dspine data regenerate --out "$RUNS/data/sharegpt-turns-$MAX_PROMPT" \
+    --source "$PROMPT_FILE" --limit "$PROMPTS" --max-prompt-tokens "$MAX_PROMPT" \
+    --max-new-tokens "$MAX_NEW" --batch-size "$REGEN_BATCH" --shard-size "$SHARD" --engine slots
+}
+
+stage_train() {
+  local kind spec extra dir
+  for kind in $KINDS; do
+    dir=$RUNS/ship-$kind
+    spec=($(config_of "$kind"))
+    extra=()
+    for kv in "${spec[@]:1}" $TRAIN_SET; do extra+=(--set "$kv"); done
+    [[ -f $dir/drafter/model.safetensors ]] ||
+      timed "train-$kind" dspine train --config "${spec[0]}" "${extra[@]}" \
+        --set "data.path=$RUNS/data/sharegpt-turns-$MAX_PROMPT" --set "data.seq_len=$SEQ_LEN" \
+        --set "run.out=$dir" --set "run.steps=$STEPS" --set run.checkpoint_every=1000
+    # shipped as bf16 weights without the transfer code table
+    python -c '
+import sys, jax.numpy as jnp
+from dspine_jax.drafters.checkpoint import load_drafter, save_drafter
+save_drafter(load_drafter(sys.argv[1]), sys.argv[2], dtype=jnp.bfloat16)' \
+      "$dir/drafter" "$dir/drafter-bf16"
+  done
+}
+
+stage_eval() {
+  local t drafters=()
+  for kind in $KINDS; do drafters+=(--drafter "$RUNS/ship-$kind/drafter-bf16"); done
+  for t in $TEMPS; do
+    timed "eval-t$t" dspine eval "${drafters[@]}" --temperature "$t" --limit "$EVAL_LIMIT" \
+      --batch-size "$EVAL_BATCH" --max-new-tokens "$MAX_NEW" \
+      --max-prompt-tokens "$EVAL_PROMPT" --out "$RUNS/ship-eval-t$t"
+  done
+}
+
+case ${1:-all} in
+  prompts) mkdir -p "$RUNS"; stage_prompts ;;
+  all) mkdir -p "$RUNS"; stage_prompts; run_stage all ;;
+  *) run_stage "$@" ;;
+esac
