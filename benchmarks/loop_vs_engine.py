@@ -21,7 +21,9 @@ wall time, compilation excluded; PyTorch: wall time with the device synchronised
 JAX engine decodes every batch twice and times the second run; first_run_seconds sums the
 first runs, which include XLA's one-time setup of every shape compiled for the batch.
 --stream-ahead 1 0 times every JAX batch both with the engine's next call
-queued while the host reads the last (the default) and without, back to back. JAX rows
+queued while the host reads the last (the default) and without, back to back;
+--steps-per-call 4 16 times every JAX method with 4 and with 16 target passes per host
+call (each its own compiled engine over the same target). JAX rows
 also split the engine's time: prefill_seconds (until the prefill's first tokens
 are read), batch_passes (per batch, the most passes any of its rows took: a batch decodes
 until then), pass_ms = decode seconds / batch_passes (comparable with `spec_step`'s pass
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import sys
@@ -105,6 +108,9 @@ def parse(argv=None):
                     help="JAX: time each batch with the engine's next call queued ahead of "
                          "the host (1) and/or read before the next is queued (0), back to "
                          "back in this process (default: DSPINE_STREAM_AHEAD, else 1)")
+    ap.add_argument("--steps-per-call", type=int, nargs="+", default=None,
+                    help="JAX: target passes per host call of the engine, each value timed "
+                         "in turn (default: the pipeline's, 8 for AR and 4 with a drafter)")
     ap.add_argument("--compile-workers", type=int, default=8,
                     help="shapes compiled at once before a method's batches are timed")
     ap.add_argument("--out", default=None, help="JSON, rewritten after every row")
@@ -195,20 +201,23 @@ def main(argv=None):
     methods = ([] if args.skip_ar else [("ar", None)]) + [
         (Path(str(resolve_drafter(d))).name, d) for d in args.drafter]
     for method, drafter in methods:
-        pipe = Pipeline.from_loaded(loaded, drafter, method=None if drafter else "ar")
+        pipes = {n: Pipeline.from_loaded(loaded, drafter, method=None if drafter else "ar",
+                                         steps_per_call=n)
+                 for n in args.steps_per_call or [None]}
         torch_drafter = (dspine_torch.load_drafter(resolve_drafter(drafter), dtype=tdtype)
                          .to(device) if drafter and hf_target is not None else None)
         for b in args.batch:
             groups = batches(prompts, b)
             # JAX engine: compile every batch's shapes side by side, then time every batch.
             kw = {"max_new_tokens": new, "temperature": args.temperature, "ignore_eos": True}
-            compile_shapes(pipe.decoder, groups, args.compile_workers, **kw)
-            for ahead in args.stream_ahead or [None]:
+            for pipe in pipes.values():
+                compile_shapes(pipe.decoder, groups, args.compile_workers, **kw)
+            for pipe, ahead in itertools.product(pipes.values(), args.stream_ahead or [None]):
                 if ahead is not None:   # read by every `stream` call (decoding.py)
                     os.environ["DSPINE_STREAM_AHEAD"] = str(ahead)
                 extra = {} if ahead is None else {"stream_ahead": ahead}
                 record("jax", method, b, "engine", *time_engine(pipe, groups, b, drafter, kw),
-                       **extra)
+                       steps_per_call=pipe.decoder.steps_per_call, **extra)
             if hf_target is None:
                 continue
             for impl in (args.torch_implementation if drafter else ["generate"]):

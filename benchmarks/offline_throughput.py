@@ -113,18 +113,22 @@ def main(argv=None):
     rows = []
     greedy_ar = {}      # rows -> AR's T = 0 tokens from its first engine (the reference)
     for method, drafter in methods:
-        pipe = Pipeline.from_loaded(loaded, drafter, method=None if drafter else "ar",
-                                    attention_backend=args.attention_backend,
-                                    **({"proposal_kernel": args.proposal_kernel} if drafter
-                                       else {}))
-        prompts = [pipe.encode(p) for p in texts]
+        # static batches with the offline call length, slots with the serving engine's
+        pipes = {engine: Pipeline.from_loaded(
+            loaded, drafter, method=None if drafter else "ar", serving=engine == "slots",
+            attention_backend=args.attention_backend,
+            **({"proposal_kernel": args.proposal_kernel} if drafter else {}))
+            for engine in args.engine}
+        prompts = [pipes[args.engine[0]].encode(p) for p in texts]
         for t in args.temperature:
             kw = dict(max_new_tokens=args.max_new_tokens, temperature=t, ignore_eos=True)
             for b in args.rows:
                 for engine in args.engine:
+                    pipe = pipes[engine]
                     got, tokens = (
                         run_batch(pipe, prompts, b, kw, args.compile_workers, drafter)
                         if engine == "batch" else run_slots(pipe, prompts, b, kw))
+                    got["steps_per_call"] = pipe.decoder.steps_per_call
                     if t == 0 and method == "ar" and b not in greedy_ar:
                         greedy_ar[b] = tokens
                     if t == 0 and b in greedy_ar:

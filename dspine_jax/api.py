@@ -24,6 +24,20 @@ from dspine_jax.sampling import validate_sampling
 
 METHODS = ("ar", "dflash", "dspine")
 
+# Target passes per host call. Static batches (generate, eval) read tokens back only between
+# calls, and long calls pay: on an H200 at batch 1, 16 passes per call against 4 take the
+# SmolLM2 AR step from 1.37 to 0.99 ms and the DSpine pass from 1.94 to 1.62 ms (batch 8:
+# 1.34 -> 1.04 and 2.37 -> 2.05; docs/benchmarks.md). The slot engine (`dspine serve`,
+# `--engine slots`) admits requests and streams between calls, so it keeps short ones.
+OFFLINE_STEPS_PER_CALL = 16
+SERVING_STEPS_PER_CALL = {"ar": 8, "drafter": 4}
+
+
+def default_steps_per_call(method: str, serving: bool) -> int:
+    if not serving:
+        return OFFLINE_STEPS_PER_CALL
+    return SERVING_STEPS_PER_CALL["ar" if method == "ar" else "drafter"]
+
 
 @dataclasses.dataclass(frozen=True)
 class MethodChoice:
@@ -147,10 +161,12 @@ class Pipeline:
     @classmethod
     def load(cls, target: str | Path = DEFAULT_TARGET, drafter: str | Path | None = None, *,
              method: str | None = None, dtype: str = "auto",
-             steps_per_call: int | None = None, attention_backend: str = "auto",
-             proposal: str = DEFAULT_PROPOSAL,
+             steps_per_call: int | None = None, serving: bool = False,
+             attention_backend: str = "auto", proposal: str = DEFAULT_PROPOSAL,
              proposal_kernel: str = DEFAULT_PROPOSAL_KERNEL) -> "Pipeline":
         """`method` defaults to whatever `drafter` is (see `resolve_method`);
+        `steps_per_call` (target passes per host call) defaults to the static batches' 16,
+        or with `serving` (a pipeline for the slot engine) to 8 for AR and 4 with a drafter;
         `attention_backend` is auto (pallas on GPU/TPU, else xla), pallas or xla.
         With a drafter, `proposal` is sparse (q and p only where verification needs them)
         or dense (for comparison), and `proposal_kernel` is the top-k over the vocabulary
@@ -162,26 +178,29 @@ class Pipeline:
         choice = resolve_method(target, drafter, method)
         check_proposal(proposal, proposal_kernel, choice.method)
         return cls.from_choice(load_target(target, dtype=dtype), choice, steps_per_call,
-                               attention_backend=attention_backend, proposal=proposal,
+                               serving=serving, attention_backend=attention_backend,
+                               proposal=proposal,
                                proposal_kernel=proposal_kernel)
 
     @classmethod
     def from_loaded(cls, loaded: LoadedTarget, drafter: str | Path | None = None, *,
                     method: str | None = None, steps_per_call: int | None = None,
-                    attention_backend: str = "auto", proposal: str = DEFAULT_PROPOSAL,
+                    serving: bool = False, attention_backend: str = "auto",
+                    proposal: str = DEFAULT_PROPOSAL,
                     proposal_kernel: str = DEFAULT_PROPOSAL_KERNEL) -> "Pipeline":
-        """A pipeline over an already loaded target (several drafters share one target)."""
+        """A pipeline over an already loaded target (several drafters share one target);
+        the options as in `load`."""
         check_proposal(proposal, proposal_kernel)
         # A loaded target has a path, not a name: it has no built-in drafter to default to.
         choice = resolve_method(None, drafter, method)
         check_proposal(proposal, proposal_kernel, choice.method)
-        return cls.from_choice(loaded, choice, steps_per_call,
+        return cls.from_choice(loaded, choice, steps_per_call, serving=serving,
                                attention_backend=attention_backend, proposal=proposal,
                                proposal_kernel=proposal_kernel)
 
     @classmethod
     def from_choice(cls, loaded: LoadedTarget, choice: MethodChoice,
-                    steps_per_call: int | None = None, *,
+                    steps_per_call: int | None = None, *, serving: bool = False,
                     attention_backend: str = "auto", proposal: str = DEFAULT_PROPOSAL,
                     proposal_kernel: str = DEFAULT_PROPOSAL_KERNEL) -> "Pipeline":
         """A pipeline for a `resolve_method` result (checked before the target loaded);
@@ -191,14 +210,15 @@ class Pipeline:
         from dspine_jax.generate import AutoregressiveGenerator
 
         eos = loaded.tokenizer.eos_token_ids if loaded.tokenizer is not None else ()
+        steps_per_call = steps_per_call or default_steps_per_call(choice.method, serving)
         if choice.drafter is None:
             decoder = AutoregressiveGenerator(loaded.model, eos_token_ids=eos,
-                                              steps_per_call=steps_per_call or 8,
+                                              steps_per_call=steps_per_call,
                                               attention_backend=attention_backend)
             return cls(loaded, decoder, "ar")
         model = load_drafter(choice.drafter, dtype=loaded.model.dtype)
         decoder = SpeculativeEngine(loaded.model, model, eos_token_ids=eos,
-                                    steps_per_call=steps_per_call or 4,
+                                    steps_per_call=steps_per_call,
                                     attention_backend=attention_backend,
                                     proposal_impl=proposal, proposal_kernel=proposal_kernel)
         return cls(loaded, decoder, choice.method)

@@ -78,8 +78,8 @@ def generate(
         prompts = ([Prompt(prompt, chat)] if prompt is not None
                    else read_prompts_file(prompts_file, chat))
         pipe = Pipeline.load(target, drafter, method=method, dtype=dtype,
-                             attention_backend=attention_backend, proposal=proposal,
-                             proposal_kernel=proposal_kernel)
+                             serving=engine == "slots", attention_backend=attention_backend,
+                             proposal=proposal, proposal_kernel=proposal_kernel)
         sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                         top_k=top_k, seed=seed, ignore_eos=ignore_eos)
         if as_json or len(prompts) > 1 or engine == "slots":
@@ -481,7 +481,7 @@ def serve_command(
             raise ConfigError(f"serving needs the serve extra: pip install 'dspine-jax[serve]' "
                               f"({e})") from e
         resolve_dtype(dtype)
-        pipe = Pipeline.load(target, drafter, method=method, dtype=dtype,
+        pipe = Pipeline.load(target, drafter, method=method, dtype=dtype, serving=True,
                              attention_backend=attention_backend, proposal=proposal,
                              proposal_kernel=proposal_kernel)
         context = pipe.target.config.max_position_embeddings

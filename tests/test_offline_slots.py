@@ -30,14 +30,15 @@ def loaded(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def dspine(loaded, tiny_dspine_dir) -> Pipeline:
-    return Pipeline.from_loaded(loaded, tiny_dspine_dir)
+    return Pipeline.from_loaded(loaded, tiny_dspine_dir, serving=True)
 
 
 @pytest.mark.parametrize("method", ["dspine", "ar"])
 def test_slots_equal_static_batches_at_t0(loaded, dspine, method):
     """Seven prompts through 3 slots against static batches of 3; each response is the
     target's greedy one, and ignore_eos=False lets rows end at different lengths."""
-    pipe = dspine if method == "dspine" else Pipeline.from_loaded(loaded, method="ar")
+    pipe = (dspine if method == "dspine"
+            else Pipeline.from_loaded(loaded, method="ar", serving=True))
     batch = pipe.generate(PROMPTS, max_new_tokens=20, batch_size=3)
     slots = generate_in_slots(pipe, PROMPTS, max_new_tokens=20, slots=3)
     assert [r.tokens for r in slots] == [r.tokens for r in batch]
@@ -98,3 +99,15 @@ def test_generate_command_with_slots(tiny_llama_dir, loaded, tmp_path):
     assert [r["tokens"] for r in rows["slots"]] == [r["tokens"] for r in rows["batch"]]
     bad = CliRunner().invoke(app, args + ["--engine", "static"])
     assert bad.exit_code != 0 and "--engine must be one of batch, slots" in bad.output
+
+
+def test_static_batches_take_long_calls_and_the_slot_engine_short_ones(loaded, tiny_dspine_dir):
+    """Passes per host call: 16 for static batches; a serving pipeline (the slot engine's:
+    `dspine serve`, `--engine slots`) keeps 8 for AR and 4 with a drafter; an explicit
+    value wins."""
+    def steps(*drafter, **kw):
+        return Pipeline.from_loaded(loaded, *drafter, **kw).decoder.steps_per_call
+
+    assert (steps(), steps(tiny_dspine_dir)) == (16, 16)
+    assert (steps(serving=True), steps(tiny_dspine_dir, serving=True)) == (8, 4)
+    assert steps(tiny_dspine_dir, serving=True, steps_per_call=2) == 2

@@ -52,7 +52,8 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def pipe(tiny_llama_dir, tiny_dspine_dir) -> Pipeline:
-    return Pipeline.from_loaded(load_target(tiny_llama_dir, dtype="f32"), tiny_dspine_dir)
+    return Pipeline.from_loaded(load_target(tiny_llama_dir, dtype="f32"), tiny_dspine_dir,
+                                serving=True)
 
 
 @pytest.fixture(scope="module")

@@ -114,7 +114,7 @@ def regenerate(out: Path, *, target: str, source: str = "sharegpt", turns: str =
                         **{name: 0 for name in COUNTERS})
     prompts = load_prompts(source, turns)[:limit]
     done = sum(s["prompts"] for s in manifest["shards"])
-    pipe = Pipeline.load(target, dtype=dtype)
+    pipe = Pipeline.load(target, dtype=dtype, serving=engine == "slots")
     vocab = max(pipe.decoder.config.vocab_size, pipe.tokenizer.vocab_size)
     manifest["token_dtype"] = manifest["token_dtype"] or token_dtype(vocab)
     plan = response_plan(temperatures, samples_per_prompt)
