@@ -219,7 +219,7 @@ def test_max_seconds_stops_after_a_shard_and_the_rerun_completes(tiny, tmp_path,
     from dspine_jax.api import Pipeline
     import dspine_train.regenerate as regen
 
-    pipe = Pipeline.load(str(tiny / "model"))
+    pipe = Pipeline.load(str(tiny / "model"), serving=engine == "slots")
     monkeypatch.setattr(Pipeline, "load", classmethod(lambda cls, *a, **k: pipe))
     kw = dict(target=str(tiny / "model"), source=str(tiny / "prompts.jsonl"),
               max_new_tokens=6, max_prompt_tokens=80, temperatures=[0.0, 1.0],
@@ -243,7 +243,7 @@ def test_slot_engine_gives_each_response_its_own_seed(tiny, tmp_path, monkeypatc
     from dspine_jax.tokenizer import TextTokenizer
     import dspine_train.regenerate as regen
 
-    pipe = Pipeline.load(str(tiny / "model"))
+    pipe = Pipeline.load(str(tiny / "model"), serving=True)    # as regenerate loads it
     monkeypatch.setattr(Pipeline, "load", classmethod(lambda cls, *a, **k: pipe))
     kw = dict(target=str(tiny / "model"), source=str(tiny / "prompts.jsonl"),
               max_new_tokens=12, max_prompt_tokens=80, temperatures=[0.0, 1.0],
