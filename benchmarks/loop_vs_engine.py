@@ -110,7 +110,7 @@ def parse(argv=None):
                          "back in this process (default: DSPINE_STREAM_AHEAD, else 1)")
     ap.add_argument("--steps-per-call", type=int, nargs="+", default=None,
                     help="JAX: target passes per host call of the engine, each value timed "
-                         "in turn (default: the pipeline's, 8 for AR and 4 with a drafter)")
+                         "in turn (default: the pipeline's, 16 for static batches)")
     ap.add_argument("--compile-workers", type=int, default=8,
                     help="shapes compiled at once before a method's batches are timed")
     ap.add_argument("--out", default=None, help="JSON, rewritten after every row")

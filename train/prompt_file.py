@@ -1,7 +1,10 @@
 """A portable prompts file for `dspine data regenerate --source FILE.jsonl`: ShareGPT's
 training turns, each already cut to fit the prompt budget, first turns first.
 
-    python -m dspine_train.prompt_file --out prompts.jsonl.gz --max-prompt-tokens 256
+    python -m dspine_train.prompt_file --out prompts.jsonl --max-prompt-tokens 256
+
+A FILE.jsonl.gz out is gzipped for carrying to the host (gunzip it there: regeneration
+reads plain JSONL).
 
 The file carries only what regeneration reads (one {"id", "messages"} line per prompt,
 earlier turns dropped by whole turns as `fit_chat` drops them), so a GPU host without the
