@@ -1,8 +1,9 @@
-"""DSpine's sampling options (`DSpineConfig.chain_temperature`, `marginal_tail`): the draws
-follow the q the proposal reports (so verification stays exact), greedy rows walk as
-before, the chain temperature is the T * factor warp, the config round-trips, and the
-engine's output follows the target's distribution with both options on (chi-square, as
-tests/test_engine.py)."""
+"""DSpine's sampling options (`DSpineConfig.chain_temperature`, `marginal_tail`,
+`vocabulary_chain`): the draws follow the q the proposal reports (so verification stays
+exact), greedy rows walk as before, the chain temperature is the T * factor warp, the
+vocabulary chain's rows are the head's refined logits over every token, the config
+round-trips, and the engine's output follows the target's distribution with the options
+on (chi-square, as tests/test_engine.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from dspine_jax.drafters.model import DraftOutput
 from dspine_jax.engine import SpeculativeEngine
 from dspine_jax.errors import ConfigError
 from dspine_jax.sampling import SamplingParams
-from dspine_jax.speculative.propose import walk_chain, walk_chain_with_tail
+from dspine_jax.speculative.propose import (walk_chain, walk_chain_with_tail,
+                                            walk_vocabulary_chain)
 from tests.test_engine import (SAMPLING, SMALL, TARGET, build, chi2_pvalue,
                                exact_two_token_distribution, sample_pairs)
 
@@ -69,6 +71,78 @@ def test_tail_draws_follow_the_reported_q(setting):
     assert chi2_pvalue(counts, joint) > 1e-4
     outside = ~np.any(np.asarray(cands) == tokens[..., None], -1)
     assert outside.mean() > 0.05          # the tail is drawn from, at both slots
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=["T1", "T0.8-p0.9-k6"])
+def test_vocabulary_chain_draws_follow_the_reported_q(setting):
+    """A made-up head: slot i's logits given predecessor v are W[i, v] (float64 numpy
+    holds the reference); the joint of slots 1 and 2 is q_1(v) q_2(w | v)."""
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((S, V, V)) * 1.5                           # [S, pred, V]
+    states = jnp.broadcast_to(jnp.arange(S, dtype=jnp.float32)[None, :, None], (N, S, 1))
+    table = jnp.asarray(w, jnp.float32)
+
+    def slot_logits(state, pred):                                      # [N, 1], [N]
+        return table[state[:, 0].astype(jnp.int32), pred]
+
+    sampling = SamplingParams.create(N, **setting)
+    keys = jax.vmap(jax.random.key)(jnp.arange(N))
+    anchor = jnp.full((N,), 2, jnp.int32)
+    prop = walk_vocabulary_chain(slot_logits, states, anchor, sampling, keys)
+    q = np.asarray(prop.dense_q(), np.float64)                          # [N, S, V]
+    tokens = np.asarray(prop.tokens)
+    np.testing.assert_allclose(q.sum(-1), 1.0, atol=1e-5)
+    np.testing.assert_allclose(prop.token_q(), np.take_along_axis(q, tokens[..., None],
+                                                                  -1)[..., 0], atol=1e-6)
+    for n in range(S + 1):
+        want = q[:, n] if n < S else np.zeros_like(q[:, 0])
+        np.testing.assert_allclose(prop.q_row(jnp.full((N,), n)), want, atol=1e-6)
+
+    def warped(logits):                                                # float64 reference
+        x = logits / setting["temperature"]                            # top-k, then top-p
+        order = np.argsort(-x)[:setting.get("top_k", 0) or V]          # over the top-k set
+        probs = np.exp(x[order] - x.max()) / np.exp(x[order] - x.max()).sum()
+        kept = order[np.cumsum(probs) - probs < setting.get("top_p", 1.0)]
+        out = np.zeros(V)
+        out[kept] = np.exp(x[kept] - x.max())
+        return out / out.sum()
+
+    np.testing.assert_allclose(q[0, 0], warped(w[0, 2]), atol=1e-5)   # given the anchor
+    for v in range(V):
+        rows = np.flatnonzero(tokens[:, 0] == v)
+        if len(rows):
+            np.testing.assert_allclose(q[rows[0], 1], warped(w[1, v]), atol=1e-5)
+    joint = q[0, 0][:, None] * np.stack([warped(w[1, v]) for v in range(V)])
+    counts = np.zeros((V, V))
+    np.add.at(counts, (tokens[:, 0], tokens[:, 1]), 1)
+    assert chi2_pvalue(counts, joint) > 1e-4
+
+
+@pytest.mark.parametrize("impl", ["sparse", "dense"])
+def test_vocabulary_chain_rows_are_the_head_over_every_token(impl):
+    """Each slot's q is the warped softmax of the head's scores of every vocabulary row
+    given the drawn predecessor (`transition_scores` with all rows as candidates); greedy
+    rows of a mixed batch take that row's argmax."""
+    target, drafter = build(kind="dspine")
+    with_options(drafter, vocabulary_chain=True, chain_temperature=1.25)
+    e_out = target.output_embedding()
+    b = 4
+    out, anchor = draft_output(drafter, e_out, b), jnp.asarray([1, 2, 3, 4])
+    sampling = SamplingParams(temperature=jnp.asarray([1.0, 0.0, 0.7, 1.3]),
+                              top_p=jnp.asarray([1.0, 1.0, 0.9, 1.0]),
+                              top_k=jnp.asarray([0, 0, 0, 5], jnp.int32))
+    prop = drafter.proposer(impl).propose(out, anchor, e_out, sampling, jax.random.key(3))
+    tokens, q = np.asarray(prop.tokens), np.asarray(prop.dense_q(), np.float64)
+    preds = np.concatenate([np.asarray(anchor)[:, None], tokens[:, :-1]], 1)   # [B, S]
+    scores = drafter.transition_scores(out.pre_injection[:, 0, 1:], jnp.asarray(preds)[..., None],
+                                       jnp.broadcast_to(e_out, (b, preds.shape[1]) + e_out.shape),
+                                       e_out)[:, :, 0]                      # [B, S, V]
+    chain = sampling.replace(temperature=sampling.temperature * 1.25)
+    from dspine_jax.sampling import warp_logits
+    want = jax.nn.softmax(warp_logits(scores, chain), -1)
+    np.testing.assert_allclose(q[[0, 2, 3]], np.asarray(want)[[0, 2, 3]], atol=2e-5)
+    np.testing.assert_array_equal(tokens[1], np.argmax(np.asarray(scores)[1], -1))
+    np.testing.assert_array_equal(q[1], np.eye(e_out.shape[0])[tokens[1]])
 
 
 def test_greedy_rows_walk_as_the_chain():
@@ -139,6 +213,13 @@ def test_decoding_options_round_trip_through_config_json():
     raw = tuned.to_hf()
     assert raw["dspine_jax_decoding"] == {"chain_temperature": 1.5, "marginal_tail": True}
     assert DrafterConfig.from_hf(raw) == tuned
+    whole = dataclasses.replace(config, dspine=dataclasses.replace(spine, vocabulary_chain=True))
+    assert whole.to_hf()["dspine_jax_decoding"] == {"vocabulary_chain": True}
+    assert DrafterConfig.from_hf(whole.to_hf()) == whole
+    with pytest.raises(ConfigError, match="exclude each other"):
+        dataclasses.replace(spine, marginal_tail=True, vocabulary_chain=True)
+    with pytest.raises(ConfigError, match="vocabulary_chain must be true or false"):
+        dataclasses.replace(spine, vocabulary_chain="yes")
     with pytest.raises(ConfigError, match="dspine_jax_decoding has unknown"):
         DrafterConfig.from_hf({**raw, "dspine_jax_decoding": {"temperature": 2.0}})
     for bad in (0.0, -1.0, float("inf"), "1.5", True):
@@ -146,10 +227,15 @@ def test_decoding_options_round_trip_through_config_json():
             dataclasses.replace(spine, chain_temperature=bad)
 
 
+OPTION_SETS = {"tail": dict(marginal_tail=True, chain_temperature=1.5),
+               "vocabulary": dict(vocabulary_chain=True, chain_temperature=1.25)}
+
+
+@pytest.mark.parametrize("options", OPTION_SETS.values(), ids=OPTION_SETS.keys())
 @pytest.mark.parametrize("sampling_args", SAMPLING)
-def test_sampling_with_the_options_follows_the_target_distribution(sampling_args):
+def test_sampling_with_the_options_follows_the_target_distribution(sampling_args, options):
     target, drafter = build(SMALL, kind="dspine", block=4, scale=6.0)
-    with_options(drafter, marginal_tail=True, chain_temperature=1.5)
+    with_options(drafter, **options)
     engine = SpeculativeEngine(target, drafter)
     prompt = [3, 1, 4]
     joint = exact_two_token_distribution(target, prompt, sampling_args)

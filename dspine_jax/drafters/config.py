@@ -50,10 +50,11 @@ class DSpineConfig:
     injection: bool = True              # gated adjacent injection after every layer
     causal_block: bool = True           # False: DFlash's bidirectional block attention
     refinement_head: bool = True        # predecessor-conditioned decoding at inference
-    # Sampling (T > 0) only; T = 0 decodes the same either way. Both keep decoding exact:
+    # Sampling (T > 0) only; T = 0 decodes the same either way. All keep decoding exact:
     # q is whatever the draft was drawn from (benchmarks/t1_acceptance.py measures them).
     chain_temperature: float = 1.0      # the chain's scores are warped at T * this
     marginal_tail: bool = False         # q = the base marginal outside the C candidates
+    vocabulary_chain: bool = False      # the chain's row over the whole vocabulary, not C
 
     def __post_init__(self):
         for name in ("transfer_rank", "message_size", "top_k"):
@@ -63,9 +64,13 @@ class DSpineConfig:
         t = self.chain_temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
             raise ConfigError(f"dspine.chain_temperature must be a positive number, got {t!r}")
-        if not isinstance(self.marginal_tail, bool):
-            raise ConfigError(f"dspine.marginal_tail must be true or false, "
-                              f"got {self.marginal_tail!r}")
+        for name in ("marginal_tail", "vocabulary_chain"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"dspine.{name} must be true or false, "
+                                  f"got {getattr(self, name)!r}")
+        if self.marginal_tail and self.vocabulary_chain:
+            raise ConfigError("dspine.marginal_tail and dspine.vocabulary_chain exclude each "
+                              "other: the vocabulary chain has no tail outside its support")
 
 
 # `dspine_config` holds the reference's fields; the project's ablation switches have
@@ -75,7 +80,7 @@ REFERENCE_FIELDS = ("transfer_rank", "message_size", "top_k")
 SWITCHES = ("injection", "causal_block", "refinement_head")
 # How the head samples at T > 0, under `dspine_jax_decoding`; written only when not the
 # default, so checkpoints without it (and readers that predate it) are unchanged.
-DECODING = {"chain_temperature": 1.0, "marginal_tail": False}
+DECODING = {"chain_temperature": 1.0, "marginal_tail": False, "vocabulary_chain": False}
 
 # Training-only fields that drafter checkpoints written before the split carried in
 # `dspine_config`; they are read past (the loss config holds them now).

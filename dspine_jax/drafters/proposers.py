@@ -15,7 +15,9 @@
             (`CandidateProposal`). At T > 0 the config's `chain_temperature` scales the
             chain's warp, and `marginal_tail` gives q the base marginal outside the
             candidates (`walk_chain_with_tail`, `SplicedProposal`; the base logits are
-            used then, and the table is built as on the dense path).
+            used then, and the table is built as on the dense path); `vocabulary_chain`
+            draws each slot from the head's row over the whole vocabulary given the
+            drawn predecessor (`walk_vocabulary_chain`, a `MarginalProposal`).
   impl="dense"
     The original path, kept for comparison: q [B, S, V] for every slot, warped by a full
     sort of the vocabulary (`Proposal`).
@@ -29,9 +31,10 @@ import jax.numpy as jnp
 
 from dspine_jax.drafters import DEFAULT_PROPOSAL_KERNEL, PROPOSALS
 from dspine_jax.sampling import SamplingParams, top_k_indices
+from dspine_jax.layers import einsum_f32
 from dspine_jax.speculative.propose import (CandidateProposal, Proposal, SplicedProposal,
                                             sample_dense, sample_marginal, walk_chain,
-                                            walk_chain_with_tail)
+                                            walk_chain_with_tail, walk_vocabulary_chain)
 
 PROPOSAL_IMPLS = PROPOSALS
 # vocab_top_k's own implementation names are taken as they are (benchmarks time each).
@@ -105,6 +108,10 @@ class ChainProposer:
         return sampling if t == 1.0 else sampling.replace(temperature=sampling.temperature * t)
 
     def propose(self, out, anchor, output_embedding, sampling: SamplingParams, rng):
+        if self.drafter.config.dspine.vocabulary_chain and not sampling.all_greedy:
+            chain = self._vocabulary_chain(out, anchor, output_embedding, sampling, rng)
+            return Proposal(tokens=chain.tokens, q=chain.dense_q()) \
+                if self.impl == "dense" else chain
         if self.drafter.config.dspine.marginal_tail and not sampling.all_greedy:
             spliced = self._spliced(out, anchor, output_embedding, sampling, rng)
             return Proposal(tokens=spliced.tokens, q=spliced.dense_q()) \
@@ -144,6 +151,18 @@ class ChainProposer:
         candidates, table = self._table(out, anchor, output_embedding)
         return walk_chain_with_tail(table, candidates, out.logits[:, 0, 1:], sampling,
                                     self.chain_sampling(sampling), rng)
+
+    def _vocabulary_chain(self, out, anchor, output_embedding, sampling, rng):
+        """vocabulary_chain: each slot's refined state given the drawn predecessor, against
+        every lm_head row (one [B, D] x [D, V] product per slot, in walk order)."""
+        d = self.drafter
+
+        def slot_logits(state, predecessor):                              # [B, D], [B]
+            refined = d.refined_state(state, predecessor[:, None], output_embedding)[:, 0]
+            return einsum_f32("BD,VD->BV", refined, output_embedding.astype(refined.dtype))
+
+        return walk_vocabulary_chain(slot_logits, out.pre_injection[:, 0, 1:], anchor,
+                                     self.chain_sampling(sampling), rng)
 
     def _dense(self, out, anchor, output_embedding, sampling, rng) -> Proposal:
         """`sampling`: the chain's own warp (`chain_sampling`)."""

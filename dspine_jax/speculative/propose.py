@@ -19,9 +19,11 @@ Three kinds:
                      one row of q is rebuilt on demand and nothing [S, V] is built
   SplicedProposal    DSpine's head with its base marginal's tail (`marginal_tail`): the
                      candidates' q, and the marginal's logits and warp stats for the rest
+DSpine's whole-vocabulary chain (`vocabulary_chain`) is a `MarginalProposal` whose logits
+are each slot's given the drafted predecessor (`walk_vocabulary_chain`).
 
 The functions here work on arrays only (`sample_marginal`, `walk_chain`,
-`walk_chain_with_tail`); which drafter computes which arrays lives in
+`walk_chain_with_tail`, `walk_vocabulary_chain`, which takes the head as a function); which drafter computes which arrays lives in
 `dspine_jax/drafters/proposers.py`.
 
 Shape legend: B batch, K block size, S = K - 1 drafted slots, C candidates, V vocab.
@@ -283,6 +285,30 @@ def walk_chain_with_tail(table: jax.Array, candidates: jax.Array, logits: jax.Ar
     tokens, q_tokens, q = (jnp.moveaxis(x, 0, 1) for x in (tokens, q_tokens, q))
     return SplicedProposal(tokens=tokens, q_tokens=q_tokens, candidates=candidates, q=q,
                            tail=m)
+
+
+def walk_vocabulary_chain(slot_logits, states: jax.Array, anchor: jax.Array,
+                          sampling: SamplingParams, rng: jax.Array) -> MarginalProposal:
+    """DSpine's walk with each slot's row over the whole vocabulary: slot i is drawn from
+    the warped softmax of slot_logits(states[:, i], its drawn predecessor) (slot 1: given
+    the anchor), so q has no top-C cut. Greedy rows take that row's argmax.
+
+    slot_logits(state [B, D], predecessor [B]) -> [B, V] float32; states [B, S, D];
+    anchor [B]. The logits of the drawn path stay in the proposal ([B, S, V], as DFlash's
+    own logits do), so verification rebuilds any one row of q from them."""
+    keys = row_keys.split(rng, states.shape[1])                        # [S] or [S, B]
+
+    def step(pred, xs):
+        state, key = xs
+        logits = slot_logits(state, pred)[:, None]                     # [B, 1, V]
+        slot = sample_marginal(logits, sampling, key)
+        fields = (slot.tokens, slot.q_tokens, logits, slot.tau, slot.log_norm)
+        return slot.tokens[:, 0], tuple(x[:, 0] for x in fields)
+
+    _, fields = scan_slots(step, anchor.astype(jnp.int32), (jnp.moveaxis(states, 1, 0), keys))
+    tokens, q_tokens, logits, tau, log_norm = (jnp.moveaxis(x, 0, 1) for x in fields)
+    return MarginalProposal(tokens=tokens, q_tokens=q_tokens, logits=logits,
+                            sampling=sampling, tau=tau, log_norm=log_norm)
 
 
 def propose(drafter, out, anchor, output_embedding, sampling, rng, impl: str = "dense"):
