@@ -28,8 +28,11 @@ VARIANTS = {"dspine": {}, "dspine chain_temperature=1.5": {"chain_temperature": 
             "dspine marginal_tail": {"marginal_tail": True},
             "dspine marginal_tail chain_temperature=1.5": {"marginal_tail": True,
                                                            "chain_temperature": 1.5},
-            "dspine top_k=64 chain_temperature=1.5": {"top_k": 64, "chain_temperature": 1.5}}
-DECODING = ("chain_temperature", "marginal_tail")
+            "dspine top_k=64 chain_temperature=1.5": {"top_k": 64, "chain_temperature": 1.5},
+            "dspine vocabulary_chain": {"vocabulary_chain": True},
+            "dspine vocabulary_chain chain_temperature=1.25": {"vocabulary_chain": True,
+                                                               "chain_temperature": 1.25}}
+DECODING = ("chain_temperature", "marginal_tail", "vocabulary_chain")
 
 
 def variant_folder(shipped: Path, fields: dict, folder: Path) -> Path:
