@@ -40,6 +40,7 @@ def test_every_loss_and_dspine_field_is_settable_from_toml(tmp_path):
     loss.update(gamma=5.0, replacement_hold_ratio=0.1, replacement_end_ratio=0.2,
                 candidates="kernel", logits="dense")
     dspine = changed_values(DSpineConfig)
+    dspine["marginal_tail"] = False  # excludes vocabulary_chain: set on its own below
     lines = ["[drafter]", 'kind = "dspine"', "[dspine]"]
     lines += [f"{k} = {json.dumps(v)}" for k, v in dspine.items()]
     lines += ["[loss]"] + [f"{k} = {json.dumps(v)}" for k, v in loss.items()]
@@ -50,6 +51,7 @@ def test_every_loss_and_dspine_field_is_settable_from_toml(tmp_path):
     # The same through --set, the TOML value syntax included.
     cfg = load_config(None, ["loss.ce_weight=0.25", "dspine.top_k=7", "loss.backbone=ce"])
     assert (cfg.loss.ce_weight, cfg.dspine.top_k, cfg.loss.backbone) == (0.25, 7, "ce")
+    assert load_config(None, ["dspine.marginal_tail=true"]).dspine.marginal_tail is True
 
 
 def test_the_trainer_uses_the_toml_loss_as_given():
