@@ -18,7 +18,7 @@ from dspine_jax.drafters.config import DrafterConfig, DSpineConfig
 from dspine_jax.drafters.model import DraftOutput
 from dspine_jax.engine import SpeculativeEngine
 from dspine_jax.errors import ConfigError
-from dspine_jax.sampling import SamplingParams
+from dspine_jax.sampling import SamplingParams, warp_logits
 from dspine_jax.speculative.propose import (walk_chain, walk_chain_with_tail,
                                             walk_vocabulary_chain)
 from tests.test_engine import (SAMPLING, SMALL, TARGET, build, chi2_pvalue,
@@ -45,14 +45,11 @@ def tail_inputs(rows: int):
     return rep(table, jnp.float32), rep(cands, jnp.int32), rep(logits, jnp.float32)
 
 
-@pytest.mark.parametrize("setting", SETTINGS, ids=["T1", "T0.8-p0.9-k6"])
-def test_tail_draws_follow_the_reported_q(setting):
-    table, cands, logits = tail_inputs(N)
-    sampling = SamplingParams.create(N, **setting)
-    chain = sampling.replace(temperature=sampling.temperature * 1.5)
-    keys = jax.vmap(jax.random.key)(jnp.arange(N))
-    prop = walk_chain_with_tail(table, cands, logits, sampling, chain, keys)
-    q = np.asarray(prop.dense_q(), np.float64)                          # [N, S, V]
+def reported_q(prop):
+    """(q [N, S, V] float64, tokens [N, S]) of a proposal, after checking that its three
+    views of q agree: every row sums to 1, token_q is q at the drafted token, and q_row(n)
+    is slot n's row (zeros past the last slot)."""
+    q = np.asarray(prop.dense_q(), np.float64)
     tokens = np.asarray(prop.tokens)
     np.testing.assert_allclose(q.sum(-1), 1.0, atol=1e-5)
     np.testing.assert_allclose(prop.token_q(), np.take_along_axis(q, tokens[..., None],
@@ -60,6 +57,17 @@ def test_tail_draws_follow_the_reported_q(setting):
     for n in range(S + 1):
         want = q[:, n] if n < S else np.zeros_like(q[:, 0])
         np.testing.assert_allclose(prop.q_row(jnp.full((N,), n)), want, atol=1e-6)
+    return q, tokens
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=["T1", "T0.8-p0.9-k6"])
+def test_tail_draws_follow_the_reported_q(setting):
+    table, cands, logits = tail_inputs(N)
+    sampling = SamplingParams.create(N, **setting)
+    chain = sampling.replace(temperature=sampling.temperature * 1.5)
+    keys = jax.vmap(jax.random.key)(jnp.arange(N))
+    prop = walk_chain_with_tail(table, cands, logits, sampling, chain, keys)
+    q, tokens = reported_q(prop)
     # The joint of slots 1 and 2: q_1 is every row's own; q_2 depends on slot 1's token.
     joint = np.zeros((V, V))
     for v in np.unique(tokens[:, 0]):
@@ -89,14 +97,7 @@ def test_vocabulary_chain_draws_follow_the_reported_q(setting):
     keys = jax.vmap(jax.random.key)(jnp.arange(N))
     anchor = jnp.full((N,), 2, jnp.int32)
     prop = walk_vocabulary_chain(slot_logits, states, anchor, sampling, keys)
-    q = np.asarray(prop.dense_q(), np.float64)                          # [N, S, V]
-    tokens = np.asarray(prop.tokens)
-    np.testing.assert_allclose(q.sum(-1), 1.0, atol=1e-5)
-    np.testing.assert_allclose(prop.token_q(), np.take_along_axis(q, tokens[..., None],
-                                                                  -1)[..., 0], atol=1e-6)
-    for n in range(S + 1):
-        want = q[:, n] if n < S else np.zeros_like(q[:, 0])
-        np.testing.assert_allclose(prop.q_row(jnp.full((N,), n)), want, atol=1e-6)
+    q, tokens = reported_q(prop)
 
     def warped(logits):                                                # float64 reference
         x = logits / setting["temperature"]                            # top-k, then top-p
@@ -138,7 +139,6 @@ def test_vocabulary_chain_rows_are_the_head_over_every_token(impl):
                                        jnp.broadcast_to(e_out, (b, preds.shape[1]) + e_out.shape),
                                        e_out)[:, :, 0]                      # [B, S, V]
     chain = sampling.replace(temperature=sampling.temperature * 1.25)
-    from dspine_jax.sampling import warp_logits
     want = jax.nn.softmax(warp_logits(scores, chain), -1)
     np.testing.assert_allclose(q[[0, 2, 3]], np.asarray(want)[[0, 2, 3]], atol=2e-5)
     np.testing.assert_array_equal(tokens[1], np.argmax(np.asarray(scores)[1], -1))

@@ -30,8 +30,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from dspine_jax.drafters import DEFAULT_PROPOSAL_KERNEL, PROPOSALS
-from dspine_jax.sampling import SamplingParams, top_k_indices
 from dspine_jax.layers import einsum_f32
+from dspine_jax.sampling import SamplingParams, top_k_indices
 from dspine_jax.speculative.propose import (CandidateProposal, Proposal, SplicedProposal,
                                             sample_dense, sample_marginal, walk_chain,
                                             walk_chain_with_tail, walk_vocabulary_chain)
@@ -108,14 +108,12 @@ class ChainProposer:
         return sampling if t == 1.0 else sampling.replace(temperature=sampling.temperature * t)
 
     def propose(self, out, anchor, output_embedding, sampling: SamplingParams, rng):
-        if self.drafter.config.dspine.vocabulary_chain and not sampling.all_greedy:
-            chain = self._vocabulary_chain(out, anchor, output_embedding, sampling, rng)
-            return Proposal(tokens=chain.tokens, q=chain.dense_q()) \
-                if self.impl == "dense" else chain
-        if self.drafter.config.dspine.marginal_tail and not sampling.all_greedy:
-            spliced = self._spliced(out, anchor, output_embedding, sampling, rng)
-            return Proposal(tokens=spliced.tokens, q=spliced.dense_q()) \
-                if self.impl == "dense" else spliced
+        spine = self.drafter.config.dspine
+        if (spine.vocabulary_chain or spine.marginal_tail) and not sampling.all_greedy:
+            walk = self._vocabulary_chain if spine.vocabulary_chain else self._spliced
+            proposal = walk(out, anchor, output_embedding, sampling, rng)
+            return Proposal(tokens=proposal.tokens, q=proposal.dense_q()) \
+                if self.impl == "dense" else proposal
         if self.impl == "dense":
             return self._dense(out, anchor, output_embedding, self.chain_sampling(sampling), rng)
         from pallas_kernels.dspine_proposal import dspine_proposal

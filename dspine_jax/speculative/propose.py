@@ -23,8 +23,8 @@ DSpine's whole-vocabulary chain (`vocabulary_chain`) is a `MarginalProposal` who
 are each slot's given the drafted predecessor (`walk_vocabulary_chain`).
 
 The functions here work on arrays only (`sample_marginal`, `walk_chain`,
-`walk_chain_with_tail`, `walk_vocabulary_chain`, which takes the head as a function); which drafter computes which arrays lives in
-`dspine_jax/drafters/proposers.py`.
+`walk_chain_with_tail`, and `walk_vocabulary_chain`, which takes the head as a function);
+which drafter computes which arrays lives in `dspine_jax/drafters/proposers.py`.
 
 Shape legend: B batch, K block size, S = K - 1 drafted slots, C candidates, V vocab.
 """
