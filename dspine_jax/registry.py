@@ -125,14 +125,15 @@ def check_sha256(path: Path, expected: str, origin: str) -> None:
 
 
 # Built-in drafters: the replication's shipped pair (docs/replication.md, "The shipped
-# pair"), 5,000 steps each on 31.7 k regenerated ShareGPT turns: `train/ship_smollm2.sh`.
+# pair"), 5,000 steps each on 31.7 k regenerated ShareGPT turns, then 5,000 more on all
+# 44.5 k: `train/ship_smollm2.sh all`.
 # Shipped in the source tree, bf16 safetensors.
 DRAFTER_ASSETS = Path(__file__).parent / "assets" / "drafters"
 BUILTIN_DRAFTERS = {  # name -> sha256 of its model.safetensors
     "smollm2-135m-instruct-dflash":
-        "37a94731719c7c55874ab67933588653b1350cd4994d991b6bcbf9df300ee01f",
+        "9f38ee4e8d7592fbfa5a751303de9361db681ffa3890a5bc1045045d08450af6",
     "smollm2-135m-instruct-dspine":
-        "ab8fa60592bbaa17c5f3905a15062c2bf9a94b4aae75e58b25dd7a57cbe1c5e1",
+        "47647b97cc1f1dd4b9f052fb8834426583888deb5fdf388b33868e3eddaf2b54",
 }
 
 

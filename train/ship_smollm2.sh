@@ -3,17 +3,20 @@
 # prompts file of every ShareGPT training turn cut to 256 tokens (first turns first), the
 # target's greedy answers (up to 256 tokens) to its first 31,744 prompts, DFlash and DSpine
 # (CE backbone, no alignment) trained identically for 5,000 steps at 512 tokens, saved in
-# bf16 as they ship, and both evaluated against AR at T = 0 and T = 1. Every stage resumes
-# or skips what is done, so the script can be rerun after an interruption.
+# bf16; then (`continue`) the answers to all 44,546 prompts and 5,000 more steps of each
+# drafter from those bf16 weights (a fresh optimizer and schedule), saved in bf16 as they
+# ship; both evaluated against AR at T = 0 and T = 1. Every stage resumes or skips what is
+# done, so the script can be rerun after an interruption.
 #
-#   train/ship_smollm2.sh [prompts|data|train|eval|all]
+#   train/ship_smollm2.sh [prompts|data|train|continue|eval|all]
 #
 # Environment knobs (defaults = the shipped run):
 #   RUNS=runs  PROMPT_FILE=$RUNS/prompts-256.jsonl  PROMPTS=31744  MAX_PROMPT=256  MAX_NEW=256
+#   ALL_PROMPTS=44546 (continue)
 #   REGEN_BATCH=1024 (slots)  SHARD=1024  STEPS=5000  SEQ_LEN=512
 #   KINDS="dflash dspine-ce-no-alignment"  TRAIN_SET="..." (extra --set for every training)
 #   EVAL_LIMIT=32  EVAL_BATCH=32  EVAL_PROMPT=768  TEMPS="0 1"
-# The built-in drafters are $RUNS/ship-<kind>/drafter-bf16/ (copy them into
+# The built-in drafters are $RUNS/ship-<kind>-cont/drafter-bf16/ (copy them into
 # dspine_jax/assets/drafters/ and their sha256 into dspine_jax/registry.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +24,7 @@ cd "$(dirname "$0")/.."
 RUNS=${RUNS:-runs}
 PROMPT_FILE=${PROMPT_FILE:-$RUNS/prompts-256.jsonl}
 PROMPTS=${PROMPTS:-31744}
+ALL_PROMPTS=${ALL_PROMPTS:-44546}
 MAX_PROMPT=${MAX_PROMPT:-256}
 MAX_NEW=${MAX_NEW:-256}
 REGEN_BATCH=${REGEN_BATCH:-1024}
@@ -42,11 +46,22 @@ stage_prompts() {
     --max-prompt-tokens "$MAX_PROMPT"
 }
 
-stage_data() {
+regenerate() {  # regenerate NAME OUT LIMIT: the target's greedy answers to LIMIT prompts
   [[ -f $PROMPT_FILE ]] || stage_prompts
-  timed data dspine data regenerate --out "$RUNS/data/sharegpt-turns-$MAX_PROMPT" \
-    --source "$PROMPT_FILE" --limit "$PROMPTS" --max-prompt-tokens "$MAX_PROMPT" \
+  [[ -f $2/manifest.json ]] && { echo "$2: already written"; return; }
+  timed "$1" dspine data regenerate --out "$2" \
+    --source "$PROMPT_FILE" --limit "$3" --max-prompt-tokens "$MAX_PROMPT" \
     --max-new-tokens "$MAX_NEW" --batch-size "$REGEN_BATCH" --shard-size "$SHARD" --engine slots
+}
+
+stage_data() { regenerate data "$RUNS/data/sharegpt-turns-$MAX_PROMPT" "$PROMPTS"; }
+
+save_bf16() {  # save_bf16 DIR: DIR/drafter -> DIR/drafter-bf16, the shipped form
+  python -c '
+import sys, jax.numpy as jnp
+from dspine_jax.drafters.checkpoint import load_drafter, save_drafter
+save_drafter(load_drafter(sys.argv[1]), sys.argv[2], dtype=jnp.bfloat16)' \
+    "$1/drafter" "$1/drafter-bf16"
 }
 
 stage_train() {
@@ -60,18 +75,31 @@ stage_train() {
       timed "train-$kind" dspine train --config "${spec[0]}" "${extra[@]}" \
         --set "data.path=$RUNS/data/sharegpt-turns-$MAX_PROMPT" --set "data.seq_len=$SEQ_LEN" \
         --set "run.out=$dir" --set "run.steps=$STEPS" --set run.checkpoint_every=1000
-    # shipped as bf16 weights without the transfer code table
-    python -c '
-import sys, jax.numpy as jnp
-from dspine_jax.drafters.checkpoint import load_drafter, save_drafter
-save_drafter(load_drafter(sys.argv[1]), sys.argv[2], dtype=jnp.bfloat16)' \
-      "$dir/drafter" "$dir/drafter-bf16"
+    [[ -f $dir/drafter-bf16/model.safetensors ]] || save_bf16 "$dir"
+  done
+}
+
+stage_continue() {  # every prompt answered, then STEPS more steps from the bf16 weights
+  local kind spec extra dir data=$RUNS/data/sharegpt-turns-$MAX_PROMPT-all
+  regenerate data-all "$data" "$ALL_PROMPTS"
+  for kind in $KINDS; do
+    [[ -f $RUNS/ship-$kind/drafter-bf16/model.safetensors ]] || stage_train
+    dir=$RUNS/ship-$kind-cont
+    spec=($(config_of "$kind"))
+    extra=()
+    for kv in "${spec[@]:1}" $TRAIN_SET; do extra+=(--set "$kv"); done
+    [[ -f $dir/drafter/model.safetensors ]] ||
+      timed "continue-$kind" dspine train --config "${spec[0]}" "${extra[@]}" \
+        --init-from "$RUNS/ship-$kind/drafter-bf16" --set "data.path=$data" \
+        --set "data.seq_len=$SEQ_LEN" --set "run.out=$dir" --set "run.steps=$STEPS" \
+        --set run.checkpoint_every=1000
+    [[ -f $dir/drafter-bf16/model.safetensors ]] || save_bf16 "$dir"
   done
 }
 
 stage_eval() {
   local t drafters=()
-  for kind in $KINDS; do drafters+=(--drafter "$RUNS/ship-$kind/drafter-bf16"); done
+  for kind in $KINDS; do drafters+=(--drafter "$RUNS/ship-$kind-cont/drafter-bf16"); done
   for t in $TEMPS; do
     timed "eval-t$t" dspine eval "${drafters[@]}" --temperature "$t" --limit "$EVAL_LIMIT" \
       --batch-size "$EVAL_BATCH" --max-new-tokens "$MAX_NEW" \
@@ -81,6 +109,7 @@ stage_eval() {
 
 case ${1:-all} in
   prompts) mkdir -p "$RUNS"; stage_prompts ;;
-  all) mkdir -p "$RUNS"; stage_prompts; run_stage all ;;
+  continue) mkdir -p "$RUNS"; stage_continue ;;
+  all) mkdir -p "$RUNS"; stage_prompts; stage_data; stage_train; stage_continue; stage_eval ;;
   *) run_stage "$@" ;;
 esac
