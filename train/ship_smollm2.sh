@@ -46,9 +46,8 @@ stage_prompts() {
     --max-prompt-tokens "$MAX_PROMPT"
 }
 
-regenerate() {  # regenerate NAME OUT LIMIT: the target's greedy answers to LIMIT prompts
+regenerate() {  # regenerate NAME OUT LIMIT: the target's greedy answers to LIMIT prompts (resumes)
   [[ -f $PROMPT_FILE ]] || stage_prompts
-  [[ -f $2/manifest.json ]] && { echo "$2: already written"; return; }
   timed "$1" dspine data regenerate --out "$2" \
     --source "$PROMPT_FILE" --limit "$3" --max-prompt-tokens "$MAX_PROMPT" \
     --max-new-tokens "$MAX_NEW" --batch-size "$REGEN_BATCH" --shard-size "$SHARD" --engine slots
