@@ -55,7 +55,7 @@ regenerate() {  # regenerate NAME OUT LIMIT: the target's greedy answers to LIMI
 
 stage_data() { regenerate data "$RUNS/data/sharegpt-turns-$MAX_PROMPT" "$PROMPTS"; }
 
-save_bf16() {  # save_bf16 DIR: DIR/drafter -> DIR/drafter-bf16, the shipped form
+save_bf16() {  # save_bf16 DIR: DIR/drafter -> DIR/drafter-bf16, shipped as bf16 weights
   python -c '
 import sys, jax.numpy as jnp
 from dspine_jax.drafters.checkpoint import load_drafter, save_drafter
@@ -63,36 +63,31 @@ save_drafter(load_drafter(sys.argv[1]), sys.argv[2], dtype=jnp.bfloat16)' \
     "$1/drafter" "$1/drafter-bf16"
 }
 
+train_kind() {  # train_kind NAME KIND DATA DIR [ARG...]: KIND's recipe on DATA into DIR, then bf16
+  local name=$1 kind=$2 data=$3 dir=$4 spec extra=()
+  shift 4
+  spec=($(config_of "$kind"))
+  for kv in "${spec[@]:1}" $TRAIN_SET; do extra+=(--set "$kv"); done
+  [[ -f $dir/drafter/model.safetensors ]] ||
+    timed "$name" dspine train --config "${spec[0]}" "${extra[@]}" "$@" \
+      --set "data.path=$data" --set "data.seq_len=$SEQ_LEN" --set "run.out=$dir" \
+      --set "run.steps=$STEPS" --set run.checkpoint_every=1000
+  [[ -f $dir/drafter-bf16/model.safetensors ]] || save_bf16 "$dir"
+}
+
 stage_train() {
-  local kind spec extra dir
   for kind in $KINDS; do
-    dir=$RUNS/ship-$kind
-    spec=($(config_of "$kind"))
-    extra=()
-    for kv in "${spec[@]:1}" $TRAIN_SET; do extra+=(--set "$kv"); done
-    [[ -f $dir/drafter/model.safetensors ]] ||
-      timed "train-$kind" dspine train --config "${spec[0]}" "${extra[@]}" \
-        --set "data.path=$RUNS/data/sharegpt-turns-$MAX_PROMPT" --set "data.seq_len=$SEQ_LEN" \
-        --set "run.out=$dir" --set "run.steps=$STEPS" --set run.checkpoint_every=1000
-    [[ -f $dir/drafter-bf16/model.safetensors ]] || save_bf16 "$dir"
+    train_kind "train-$kind" "$kind" "$RUNS/data/sharegpt-turns-$MAX_PROMPT" "$RUNS/ship-$kind"
   done
 }
 
 stage_continue() {  # every prompt answered, then STEPS more steps from the bf16 weights
-  local kind spec extra dir data=$RUNS/data/sharegpt-turns-$MAX_PROMPT-all
+  local data=$RUNS/data/sharegpt-turns-$MAX_PROMPT-all
+  stage_train   # skips what is trained
   regenerate data-all "$data" "$ALL_PROMPTS"
   for kind in $KINDS; do
-    [[ -f $RUNS/ship-$kind/drafter-bf16/model.safetensors ]] || stage_train
-    dir=$RUNS/ship-$kind-cont
-    spec=($(config_of "$kind"))
-    extra=()
-    for kv in "${spec[@]:1}" $TRAIN_SET; do extra+=(--set "$kv"); done
-    [[ -f $dir/drafter/model.safetensors ]] ||
-      timed "continue-$kind" dspine train --config "${spec[0]}" "${extra[@]}" \
-        --init-from "$RUNS/ship-$kind/drafter-bf16" --set "data.path=$data" \
-        --set "data.seq_len=$SEQ_LEN" --set "run.out=$dir" --set "run.steps=$STEPS" \
-        --set run.checkpoint_every=1000
-    [[ -f $dir/drafter-bf16/model.safetensors ]] || save_bf16 "$dir"
+    train_kind "continue-$kind" "$kind" "$data" "$RUNS/ship-$kind-cont" \
+      --init-from "$RUNS/ship-$kind/drafter-bf16"
   done
 }
 
