@@ -12,11 +12,19 @@ top-k, and the survivors stay in index order (chunk by chunk, each chunk's ties 
 index first), so ties still go to the lower index. CPUs keep one pass (3x faster there).
 DSPINE_TOP_K_SPLIT=0 in the environment turns the split off (before/after timings).
 
-Shape legend: R rows, V row length, C chunk, n = ceil(V / C) chunks.
+For k >= 2 a GPU takes the grouped top-k instead (`grouped_top_k`): each row is cut into
+n groups of G, the groups' maxima (one memory-bound reduction) choose the k groups that
+can hold the top-k, and two TopKs over short rows (n maxima, then k * G entries) finish.
+Both are short, so the fixed cost per row, not the row length, sets the time.
+DSPINE_TOP_K_GROUPED=0 keeps the split (before/after timings).
+
+Shape legend: R rows, V row length, C chunk, n = ceil(V / C) chunks; G group, n = ceil(V / G)
+groups.
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 import jax
@@ -46,6 +54,42 @@ def two_stage_top_k(x: jax.Array, k: int, chunk: int):
     return top, jnp.take_along_axis(ids.reshape(r, n * k), where, -1).astype(jnp.int32)
 
 
+def grouped_top_k(x: jax.Array, k: int, group: int):
+    """x [R, V], static k <= ceil(V / group) -> (values [R, k], indices [R, k] int32), as
+    lax.top_k(x, k). Exact, ties included: a group whose maximum ranks below the k-th
+    group's cannot hold a top-k entry (each group ranked above it holds an entry ranked
+    above all of its own), and groups are contiguous, so ranking maxima by (value, lower
+    group first) ranks them as lax.top_k ranks entries. The chosen groups are put back in
+    index order before the last TopK, so its ties still go to the lower index."""
+    r, v = x.shape
+    n = -(-v // group)
+    if not 1 <= k <= n:
+        raise ValueError(f"grouped_top_k needs 1 <= k <= ceil(V / group) ({n}), got k={k}")
+    padded = jnp.pad(x, ((0, 0), (0, n * group - v)), constant_values=_lowest(x.dtype))
+    groups = padded.reshape(r, n, group)                                 # [R, n, G]
+    _, chosen = jax.lax.top_k(groups.max(-1), k)                         # [R, k]
+    chosen = jnp.sort(chosen, axis=-1)
+    members = jnp.take_along_axis(groups, chosen[..., None], 1)          # [R, k, G]
+    ids = chosen[..., None] * group + jnp.arange(group, dtype=chosen.dtype)
+    top, where = jax.lax.top_k(members.reshape(r, k * group), k)        # [R, k]
+    return top, jnp.take_along_axis(ids.reshape(r, k * group), where, -1).astype(jnp.int32)
+
+
+def groups_rows() -> bool:
+    """Whether `top_k` may take the grouped top-k: on GPUs, unless DSPINE_TOP_K_GROUPED=0."""
+    return jax.default_backend() == "gpu" and os.environ.get("DSPINE_TOP_K_GROUPED") != "0"
+
+
+def group_size(v: int, k: int) -> int | None:
+    """The group length `top_k` cuts rows of v into, or None: the power of two nearest
+    sqrt(V / k) (it balances the two TopKs' rows, V / G and k * G), within [32, 1024],
+    for k >= 2 (k = 1 is one reduction on either path) and at least 4 k groups."""
+    if k < 2 or not groups_rows():
+        return None
+    g = 1 << max(5, min(10, round(math.log2(max(v / k, 1)) / 2)))
+    return g if -(-v // g) >= 4 * k else None
+
+
 def splits_rows() -> bool:
     """Whether `top_k` may split rows: on GPUs, unless DSPINE_TOP_K_SPLIT=0."""
     return jax.default_backend() == "gpu" and os.environ.get("DSPINE_TOP_K_SPLIT") != "0"
@@ -67,13 +111,17 @@ def split_chunk(rows: int, v: int, k: int) -> int | None:
 
 def top_k(x: jax.Array, k: int):
     """lax.top_k over the last axis of x [..., V] -> (values [..., k], indices [..., k]
-    int32), in two stages where `split_chunk` says so. Leading axes are flattened first:
+    int32): grouped where `group_size` says so, else in two stages where `split_chunk`
+    does. Leading axes are flattened first:
     XLA's CPU backend keeps its TopK kernel only for rank-2 operands (a higher rank
     becomes a full sort of the row)."""
     lead, v = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, v)
-    chunk = split_chunk(flat.shape[0], v, k)
-    if chunk is None:
+    group = group_size(v, k)
+    chunk = split_chunk(flat.shape[0], v, k) if group is None else None
+    if group is not None:
+        values, ids = grouped_top_k(flat, k, group)
+    elif chunk is None:
         values, ids = jax.lax.top_k(flat, k)
     else:
         values, ids = two_stage_top_k(flat, k, chunk)

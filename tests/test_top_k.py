@@ -1,6 +1,6 @@
-"""pallas_kernels.top_k: the two-stage top-k of long rows equals a stable float64 sort
-(values and indices, ties to the lower index), and `top_k` takes that path where rows are
-split (forced here on the CPU)."""
+"""pallas_kernels.top_k: the two-stage and the grouped top-k of long rows equal a stable
+float64 sort (values and indices, ties to the lower index), and `top_k` takes each path
+where its rule says so (forced here on the CPU)."""
 
 from __future__ import annotations
 
@@ -69,6 +69,7 @@ def test_split_rule_fills_one_wave_of_the_gpu(monkeypatch):
     assert long_rows.split_chunk(4, 1500, 16) is None          # too short to split
     assert long_rows.split_chunk(15, 151936, 16) == 19072      # Qwen3: 8 chunks
     monkeypatch.undo()
+    monkeypatch.setattr(long_rows.jax, "default_backend", lambda: "cpu")
     assert long_rows.split_chunk(15, 49152, 16) is None        # the CPU
     monkeypatch.setenv("DSPINE_TOP_K_SPLIT", "0")
     monkeypatch.setattr(long_rows.jax, "default_backend", lambda: "gpu")
@@ -89,3 +90,92 @@ def test_split_path_through_top_k_and_its_callers(monkeypatch):
     np.testing.assert_array_equal(top_k_indices(jnp.asarray(x, jnp.float32), 8), want_i)
     np.testing.assert_array_equal(first_argmax(jnp.asarray(x, jnp.float32)),
                                   np.argmax(x, -1))
+
+
+# (rows, V, k, group): V a group multiple or not, k up to the number of groups
+GROUPED_CASES = [(3, 1000, 16, 32), (5, 4096, 2, 64), (2, 300, 10, 32), (4, 50, 7, 4),
+                 (2, 49152, 16, 64)]
+
+
+@pytest.mark.parametrize("rows,v,k,group", GROUPED_CASES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int32"])
+def test_grouped_equals_stable_sort_with_ties(rows, v, k, group, dtype):
+    """Values from {-3..3}: many groups share the top maximum, so the groups chosen among
+    equal maxima and the entries chosen among equal values are both pinned down."""
+    x = np.random.default_rng(v + k).integers(-3, 4, size=(rows, v))
+    values, ids = long_rows.grouped_top_k(jnp.asarray(x, dtype), k, group)
+    want_v, want_i = stable_top_k(x, k)
+    assert ids.dtype == jnp.int32 and values.dtype == jnp.dtype(dtype)
+    np.testing.assert_array_equal(np.asarray(values, np.float64), want_v)
+    np.testing.assert_array_equal(ids, want_i)
+
+
+def test_grouped_takes_several_entries_from_one_group():
+    """The whole top-k in one group (and in two): the groups beyond it hold nothing of
+    it, yet k groups are still taken and the rest must not displace it."""
+    x = np.zeros((2, 256), np.float32)
+    x[0, 64:72] = np.arange(8, 16)              # group 2 (of 32) holds all 8
+    x[1, [3, 200, 201]] = [5.0, 7.0, 6.0]       # two groups; ties at 0 fill the rest
+    values, ids = long_rows.grouped_top_k(jnp.asarray(x), 8, 32)
+    want_v, want_i = stable_top_k(x, 8)
+    np.testing.assert_array_equal(ids, want_i)
+    np.testing.assert_array_equal(np.asarray(values, np.float64), want_v)
+
+
+def test_grouped_keeps_real_minus_inf_before_the_padding():
+    x = np.full((2, 130), -np.inf, np.float32)
+    x[0, [5, 77]] = [1.0, 2.0]
+    values, ids = long_rows.grouped_top_k(jnp.asarray(x), 4, 32)
+    np.testing.assert_array_equal(ids, [[77, 5, 0, 1], [0, 1, 2, 3]])
+    np.testing.assert_array_equal(values[0], [2.0, 1.0, -np.inf, -np.inf])
+
+
+def test_grouped_random_rows_match_lax_order():
+    x = np.random.default_rng(3).standard_normal((15, 49152)).astype(np.float32)
+    values, ids = long_rows.grouped_top_k(jnp.asarray(x), 16, 64)
+    want_v, want_i = stable_top_k(x, 16)
+    np.testing.assert_array_equal(ids, want_i)
+    np.testing.assert_array_equal(np.asarray(values, np.float64), want_v)
+
+
+def test_grouped_refuses_k_above_the_groups():
+    with pytest.raises(ValueError, match="ceil\\(V / group\\)"):
+        long_rows.grouped_top_k(jnp.zeros((1, 100)), 5, 32)
+
+
+def test_group_rule(monkeypatch):
+    """The power of two nearest sqrt(V / k) in [32, 1024], for k >= 2 and >= 4 k groups;
+    k = 1, the CPU and DSPINE_TOP_K_GROUPED=0 keep the other paths."""
+    monkeypatch.setattr(long_rows, "groups_rows", lambda: True)
+    assert long_rows.group_size(49152, 16) == 64        # 768 maxima, then 1,024 entries
+    assert long_rows.group_size(151936, 16) == 128      # Qwen3: 1,187, then 2,048
+    assert long_rows.group_size(49152, 1) is None
+    assert long_rows.group_size(4096, 64) is None       # 128 groups of 32 < 4 k
+    assert long_rows.group_size(1 << 24, 2) == 1024
+    monkeypatch.undo()
+    monkeypatch.setattr(long_rows.jax, "default_backend", lambda: "cpu")
+    assert long_rows.group_size(49152, 16) is None      # the CPU
+    monkeypatch.setenv("DSPINE_TOP_K_GROUPED", "0")
+    monkeypatch.setattr(long_rows.jax, "default_backend", lambda: "gpu")
+    assert not long_rows.groups_rows()
+    assert long_rows.splits_rows()
+
+
+def test_grouped_path_through_top_k_and_its_callers(monkeypatch):
+    """With grouping forced (as on a GPU) top_k and top_k_indices keep lax.top_k's results
+    on rank-3 input with ties, and first_argmax (k = 1) takes another path."""
+    x = np.random.default_rng(4).integers(-2, 3, size=(2, 3, 4101))
+    want_v, want_i = stable_top_k(x, 8)
+    monkeypatch.setattr(long_rows, "groups_rows", lambda: True)
+    calls = []
+    grouped = long_rows.grouped_top_k
+    monkeypatch.setattr(long_rows, "grouped_top_k",
+                        lambda *a: calls.append(a[1:]) or grouped(*a))
+    values, ids = long_rows.top_k(jnp.asarray(x, jnp.float32), 8)
+    assert calls == [(8, 32)]                                  # 129 groups of 32
+    np.testing.assert_array_equal(ids, want_i)
+    np.testing.assert_array_equal(np.asarray(values, np.float64), want_v)
+    np.testing.assert_array_equal(top_k_indices(jnp.asarray(x, jnp.float32), 8), want_i)
+    np.testing.assert_array_equal(first_argmax(jnp.asarray(x, jnp.float32)),
+                                  np.argmax(x, -1))
+    assert len(calls) == 2
