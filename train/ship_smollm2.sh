@@ -5,10 +5,12 @@
 # (CE backbone, no alignment) trained identically for 5,000 steps at 512 tokens, saved in
 # bf16; then (`continue`) the answers to all 44,546 prompts and 5,000 more steps of each
 # drafter from those bf16 weights (a fresh optimizer and schedule), saved in bf16 as they
-# ship; both evaluated against AR at T = 0 and T = 1. Every stage resumes or skips what is
-# done, so the script can be rerun after an interruption.
+# ship; both evaluated against AR at T = 0 and T = 1. `ablate` repeats the ablations that
+# chose DSpine's recipe at that scale: each kind trained from scratch on the answers to all
+# prompts, then (`ablate-eval`) all of them in one evaluation. Every stage resumes or skips
+# what is done, so the script can be rerun after an interruption.
 #
-#   train/ship_smollm2.sh [prompts|data|train|continue|eval|all]
+#   train/ship_smollm2.sh [prompts|data|train|continue|eval|ablate|ablate-eval|all]
 #
 # Environment knobs (defaults = the shipped run):
 #   RUNS=runs  PROMPT_FILE=$RUNS/prompts-256.jsonl  PROMPTS=31744  MAX_PROMPT=256  MAX_NEW=256
@@ -16,6 +18,8 @@
 #   REGEN_BATCH=1024 (slots)  SHARD=1024  STEPS=5000  SEQ_LEN=512
 #   KINDS="dflash dspine-ce-no-alignment"  TRAIN_SET="..." (extra --set for every training)
 #   EVAL_LIMIT=32  EVAL_BATCH=32  EVAL_PROMPT=768  TEMPS="0 1"
+#   ABLATE_KINDS="dspine-ce-no-alignment dspine-no-alignment dspine-ce
+#                 dspine-ce-no-alignment-no-teacher"  ABLATE_STEPS=2500  ABLATE_TEMPS=0
 # The built-in drafters are $RUNS/ship-<kind>-cont/drafter-bf16/ (copy them into
 # dspine_jax/assets/drafters/ and their sha256 into dspine_jax/registry.py).
 set -euo pipefail
@@ -37,6 +41,11 @@ EVAL_LIMIT=${EVAL_LIMIT:-32}
 EVAL_BATCH=${EVAL_BATCH:-32}
 EVAL_PROMPT=${EVAL_PROMPT:-768}
 TEMPS=${TEMPS:-"0 1"}
+# The shipped recipe, then one change each: the CE+L1 backbone, the alignment loss, no
+# teacher replacement.
+ABLATE_KINDS=${ABLATE_KINDS:-"dspine-ce-no-alignment dspine-no-alignment dspine-ce dspine-ce-no-alignment-no-teacher"}
+ABLATE_STEPS=${ABLATE_STEPS:-2500}
+ABLATE_TEMPS=${ABLATE_TEMPS:-0}
 
 source train/smollm2_common.sh
 
@@ -101,9 +110,34 @@ stage_eval() {
   done
 }
 
+stage_ablate() {  # each of ABLATE_KINDS from scratch, ABLATE_STEPS steps on every answer
+  local data=$RUNS/data/sharegpt-turns-$MAX_PROMPT-all kind STEPS=$ABLATE_STEPS
+  regenerate data-all "$data" "$ALL_PROMPTS"
+  for kind in $ABLATE_KINDS; do
+    train_kind "ablate-$kind" "$kind" "$data" "$RUNS/ablate-$kind"
+  done
+}
+
+stage_ablate_eval() {
+  local kind t drafters=()
+  for kind in $ABLATE_KINDS; do
+    [[ -f $RUNS/ablate-$kind/drafter-bf16/model.safetensors ]] || {
+      echo "$RUNS/ablate-$kind is not trained: run the ablate stage first" >&2; exit 2; }
+    drafters+=(--drafter "$RUNS/ablate-$kind/drafter-bf16")
+  done
+  for t in $ABLATE_TEMPS; do
+    timed "ablate-eval-t$t" dspine eval "${drafters[@]}" --temperature "$t" \
+      --limit "$EVAL_LIMIT" --batch-size "$EVAL_BATCH" --max-new-tokens "$MAX_NEW" \
+      --max-prompt-tokens "$EVAL_PROMPT" --out "$RUNS/ablate-eval-t$t"
+  done
+}
+
 case ${1:-all} in
   prompts) mkdir -p "$RUNS"; stage_prompts ;;
   continue) mkdir -p "$RUNS"; stage_continue ;;
+  ablate) mkdir -p "$RUNS"; for kind in $ABLATE_KINDS; do config_of "$kind" >/dev/null; done
+          stage_ablate ;;
+  ablate-eval) mkdir -p "$RUNS"; stage_ablate_eval ;;
   all) mkdir -p "$RUNS"; stage_prompts; stage_data; stage_train; stage_continue; stage_eval ;;
   *) run_stage "$@" ;;
 esac
