@@ -1,4 +1,4 @@
-"""lax.top_k over long rows (a vocabulary), exact, in two stages when the rows are few.
+"""lax.top_k over long rows (a vocabulary), exact: grouped, or in two stages when rows are few.
 
 XLA's GPU TopK runs one thread block per row, about 12 us of fixed cost plus ~3.4 ns per
 element on the H200. A few long rows leave most of the GPU idle: DSpine's 15 slots of
@@ -15,8 +15,9 @@ DSPINE_TOP_K_SPLIT=0 in the environment turns the split off (before/after timing
 For k >= 2 a GPU takes the grouped top-k instead (`grouped_top_k`): each row is cut into
 n groups of G, the groups' maxima (one memory-bound reduction) choose the k groups that
 can hold the top-k, and two TopKs over short rows (n maxima, then k * G entries) finish.
-Both are short, so the fixed cost per row, not the row length, sets the time.
-DSPINE_TOP_K_GROUPED=0 keeps the split (before/after timings).
+Both are short, so the fixed cost per row, not the row length, sets the time (H200, k 16:
+15 x 49,152 in 61 us against the split's 76; 120 rows in 68 against one pass's 168;
+16,384 rows in 3.0 ms against 15.8). DSPINE_TOP_K_GROUPED=0 keeps the split (before/after timings).
 
 Shape legend: R rows, V row length, C chunk, n = ceil(V / C) chunks; G group, n = ceil(V / G)
 groups.
@@ -83,7 +84,7 @@ def groups_rows() -> bool:
 def group_size(v: int, k: int) -> int | None:
     """The group length `top_k` cuts rows of v into, or None: the power of two nearest
     sqrt(V / k) (it balances the two TopKs' rows, V / G and k * G), within [32, 1024],
-    for k >= 2 (k = 1 is one reduction on either path) and at least 4 k groups."""
+    for k >= 2 (an argmax, k = 1, gains nothing from it) and at least 4 k groups."""
     if k < 2 or not groups_rows():
         return None
     g = 1 << max(5, min(10, round(math.log2(max(v / k, 1)) / 2)))
