@@ -17,7 +17,8 @@ n groups of G, the groups' maxima (one memory-bound reduction) choose the k grou
 can hold the top-k, and two TopKs over short rows (n maxima, then k * G entries) finish.
 Both are short, so the fixed cost per row, not the row length, sets the time (H200, k 16:
 15 x 49,152 in 61 us against the split's 76; 120 rows in 68 against one pass's 168;
-16,384 rows in 3.0 ms against 15.8). DSPINE_TOP_K_GROUPED=0 keeps the split (before/after timings).
+16,384 rows in 3.0 ms against 15.8). DSPINE_TOP_K_GROUPED=0 keeps the split
+(before/after timings).
 
 Shape legend: R rows, V row length, C chunk, n = ceil(V / C) chunks; G group, n = ceil(V / G)
 groups.

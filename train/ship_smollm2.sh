@@ -43,7 +43,8 @@ EVAL_PROMPT=${EVAL_PROMPT:-768}
 TEMPS=${TEMPS:-"0 1"}
 # The shipped recipe, then one change each: the CE+L1 backbone, the alignment loss, no
 # teacher replacement.
-ABLATE_KINDS=${ABLATE_KINDS:-"dspine-ce-no-alignment dspine-no-alignment dspine-ce dspine-ce-no-alignment-no-teacher"}
+ABLATE_KINDS=${ABLATE_KINDS:-"dspine-ce-no-alignment dspine-no-alignment dspine-ce
+  dspine-ce-no-alignment-no-teacher"}
 ABLATE_STEPS=${ABLATE_STEPS:-2500}
 ABLATE_TEMPS=${ABLATE_TEMPS:-0}
 

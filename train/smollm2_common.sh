@@ -10,7 +10,8 @@ declare -A ABLATIONS=(
   [dspine-no-chain]=dspine.refinement_head=false
   [dspine-ce]=loss.backbone=ce
   [dspine-ce-no-alignment]="loss.backbone=ce loss.alignment=false"
-  [dspine-ce-no-alignment-no-teacher]="loss.backbone=ce loss.alignment=false loss.teacher_replacement=false"
+  [dspine-ce-no-alignment-no-teacher]="loss.backbone=ce loss.alignment=false
+    loss.teacher_replacement=false"
 )
 
 config_of() {  # config_of KIND: the config file of a drafter kind, then its --set pairs
