@@ -101,14 +101,21 @@ stage_continue() {  # every prompt answered, then STEPS more steps from the bf16
   done
 }
 
-stage_eval() {
-  local t drafters=()
-  for kind in $KINDS; do drafters+=(--drafter "$RUNS/ship-$kind-cont/drafter-bf16"); done
-  for t in $TEMPS; do
-    timed "eval-t$t" dspine eval "${drafters[@]}" --temperature "$t" --limit "$EVAL_LIMIT" \
+evaluate() {  # evaluate LABEL OUT "TEMPS" DRAFTER...: one dspine eval per T into OUT-tT
+  local label=$1 out=$2 temps=$3 t dir drafters=()
+  shift 3
+  for dir in "$@"; do drafters+=(--drafter "$dir"); done
+  for t in $temps; do
+    timed "$label-t$t" dspine eval "${drafters[@]}" --temperature "$t" --limit "$EVAL_LIMIT" \
       --batch-size "$EVAL_BATCH" --max-new-tokens "$MAX_NEW" \
-      --max-prompt-tokens "$EVAL_PROMPT" --out "$RUNS/ship-eval-t$t"
+      --max-prompt-tokens "$EVAL_PROMPT" --out "$out-t$t"
   done
+}
+
+stage_eval() {
+  local kind dirs=()
+  for kind in $KINDS; do dirs+=("$RUNS/ship-$kind-cont/drafter-bf16"); done
+  evaluate eval "$RUNS/ship-eval" "$TEMPS" "${dirs[@]}"
 }
 
 stage_ablate() {  # each of ABLATE_KINDS from scratch, ABLATE_STEPS steps on every answer
@@ -120,17 +127,13 @@ stage_ablate() {  # each of ABLATE_KINDS from scratch, ABLATE_STEPS steps on eve
 }
 
 stage_ablate_eval() {
-  local kind t drafters=()
+  local kind dirs=()
   for kind in $ABLATE_KINDS; do
     [[ -f $RUNS/ablate-$kind/drafter-bf16/model.safetensors ]] || {
       echo "$RUNS/ablate-$kind is not trained: run the ablate stage first" >&2; exit 2; }
-    drafters+=(--drafter "$RUNS/ablate-$kind/drafter-bf16")
+    dirs+=("$RUNS/ablate-$kind/drafter-bf16")
   done
-  for t in $ABLATE_TEMPS; do
-    timed "ablate-eval-t$t" dspine eval "${drafters[@]}" --temperature "$t" \
-      --limit "$EVAL_LIMIT" --batch-size "$EVAL_BATCH" --max-new-tokens "$MAX_NEW" \
-      --max-prompt-tokens "$EVAL_PROMPT" --out "$RUNS/ablate-eval-t$t"
-  done
+  evaluate ablate-eval "$RUNS/ablate-eval" "$ABLATE_TEMPS" "${dirs[@]}"
 }
 
 case ${1:-all} in
