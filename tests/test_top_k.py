@@ -17,36 +17,50 @@ def stable_top_k(x, k):
     return np.take_along_axis(np.asarray(x, np.float64), order, -1), order
 
 
-# (rows, V, k, chunk): V a chunk multiple or not, k up to the chunk, one chunk
-CASES = [(3, 1000, 16, 64), (5, 4096, 1, 256), (2, 300, 64, 64), (4, 50, 7, 64)]
+# (method, rows, V, k, chunk or group): V a multiple of it or not, k up to one chunk
+# (two_stage) or up to the number of groups (grouped)
+CASES = [("two_stage", 3, 1000, 16, 64), ("two_stage", 5, 4096, 1, 256),
+         ("two_stage", 2, 300, 64, 64), ("two_stage", 4, 50, 7, 64),
+         ("grouped", 3, 1000, 16, 32), ("grouped", 5, 4096, 2, 64), ("grouped", 2, 300, 10, 32),
+         ("grouped", 4, 50, 7, 4), ("grouped", 2, 49152, 16, 64)]
 
 
-@pytest.mark.parametrize("rows,v,k,chunk", CASES)
+def method(name):
+    """long_rows.two_stage_top_k or long_rows.grouped_top_k, looked up at call time."""
+    return getattr(long_rows, f"{name}_top_k")
+
+
+@pytest.mark.parametrize("name,rows,v,k,size", CASES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int32"])
-def test_two_stage_equals_stable_sort_with_ties(rows, v, k, chunk, dtype):
-    """Values from {-3..3}: ties everywhere, so the indices pin down the tie order."""
+def test_equals_stable_sort_with_ties(name, rows, v, k, size, dtype):
+    """Values from {-3..3}: ties everywhere, so the indices pin down the tie order (and,
+    grouped, many groups share the top maximum, so the groups chosen among equal maxima
+    are pinned down too)."""
     x = np.random.default_rng(v + k).integers(-3, 4, size=(rows, v))
-    values, ids = long_rows.two_stage_top_k(jnp.asarray(x, dtype), k, chunk)
+    values, ids = method(name)(jnp.asarray(x, dtype), k, size)
     want_v, want_i = stable_top_k(x, k)
     assert ids.dtype == jnp.int32 and values.dtype == jnp.dtype(dtype)
     np.testing.assert_array_equal(np.asarray(values, np.float64), want_v)
     np.testing.assert_array_equal(ids, want_i)
 
 
-def test_two_stage_keeps_real_minus_inf_before_the_padding():
+@pytest.mark.parametrize("name,size", [("two_stage", 64), ("grouped", 32)])
+def test_keeps_real_minus_inf_before_the_padding(name, size):
     """A row with fewer finite entries than k: its -inf entries (lowest indices first)
     fill the rest, never the padding past V."""
     x = np.full((2, 130), -np.inf, np.float32)
     x[0, [5, 77]] = [1.0, 2.0]
-    values, ids = long_rows.two_stage_top_k(jnp.asarray(x), 4, 64)
+    values, ids = method(name)(jnp.asarray(x), 4, size)
     np.testing.assert_array_equal(ids, [[77, 5, 0, 1], [0, 1, 2, 3]])
     np.testing.assert_array_equal(values[0], [2.0, 1.0, -np.inf, -np.inf])
     assert np.asarray(ids).max() < 130
 
 
-def test_two_stage_random_rows_match_lax_order():
-    x = np.random.default_rng(1).standard_normal((6, 5000)).astype(np.float32)
-    values, ids = long_rows.two_stage_top_k(jnp.asarray(x), 16, 512)
+@pytest.mark.parametrize("name,seed,shape,size", [("two_stage", 1, (6, 5000), 512),
+                                                  ("grouped", 3, (15, 49152), 64)])
+def test_random_rows_match_lax_order(name, seed, shape, size):
+    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    values, ids = method(name)(jnp.asarray(x), 16, size)
     want_v, want_i = stable_top_k(x, 16)
     np.testing.assert_array_equal(ids, want_i)
     np.testing.assert_array_equal(np.asarray(values, np.float64), want_v)
@@ -92,24 +106,6 @@ def test_split_path_through_top_k_and_its_callers(monkeypatch):
                                   np.argmax(x, -1))
 
 
-# (rows, V, k, group): V a group multiple or not, k up to the number of groups
-GROUPED_CASES = [(3, 1000, 16, 32), (5, 4096, 2, 64), (2, 300, 10, 32), (4, 50, 7, 4),
-                 (2, 49152, 16, 64)]
-
-
-@pytest.mark.parametrize("rows,v,k,group", GROUPED_CASES)
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int32"])
-def test_grouped_equals_stable_sort_with_ties(rows, v, k, group, dtype):
-    """Values from {-3..3}: many groups share the top maximum, so the groups chosen among
-    equal maxima and the entries chosen among equal values are both pinned down."""
-    x = np.random.default_rng(v + k).integers(-3, 4, size=(rows, v))
-    values, ids = long_rows.grouped_top_k(jnp.asarray(x, dtype), k, group)
-    want_v, want_i = stable_top_k(x, k)
-    assert ids.dtype == jnp.int32 and values.dtype == jnp.dtype(dtype)
-    np.testing.assert_array_equal(np.asarray(values, np.float64), want_v)
-    np.testing.assert_array_equal(ids, want_i)
-
-
 def test_grouped_takes_several_entries_from_one_group():
     """The whole top-k in one group (and in two): the groups beyond it hold nothing of
     it, yet k groups are still taken and the rest must not displace it."""
@@ -118,22 +114,6 @@ def test_grouped_takes_several_entries_from_one_group():
     x[1, [3, 200, 201]] = [5.0, 7.0, 6.0]       # two groups; ties at 0 fill the rest
     values, ids = long_rows.grouped_top_k(jnp.asarray(x), 8, 32)
     want_v, want_i = stable_top_k(x, 8)
-    np.testing.assert_array_equal(ids, want_i)
-    np.testing.assert_array_equal(np.asarray(values, np.float64), want_v)
-
-
-def test_grouped_keeps_real_minus_inf_before_the_padding():
-    x = np.full((2, 130), -np.inf, np.float32)
-    x[0, [5, 77]] = [1.0, 2.0]
-    values, ids = long_rows.grouped_top_k(jnp.asarray(x), 4, 32)
-    np.testing.assert_array_equal(ids, [[77, 5, 0, 1], [0, 1, 2, 3]])
-    np.testing.assert_array_equal(values[0], [2.0, 1.0, -np.inf, -np.inf])
-
-
-def test_grouped_random_rows_match_lax_order():
-    x = np.random.default_rng(3).standard_normal((15, 49152)).astype(np.float32)
-    values, ids = long_rows.grouped_top_k(jnp.asarray(x), 16, 64)
-    want_v, want_i = stable_top_k(x, 16)
     np.testing.assert_array_equal(ids, want_i)
     np.testing.assert_array_equal(np.asarray(values, np.float64), want_v)
 
