@@ -87,11 +87,13 @@ def run_benchmark(pipes: dict[str, Pipeline], prompts: list[dict], *, batch_size
 
 def drafter_labels(methods: list[str], paths: list[str]) -> list[str]:
     """Column names: the method alone when it is the only drafter of its kind, else
-    `method:name` for every drafter of that kind (name: the run folder of a `.../drafter`
-    export, else the folder or built-in name), so no column is ambiguous."""
+    `method:name` for every drafter of that kind (name: the run folder of an export such
+    as `.../drafter` or `.../drafter-bf16`, else the folder or built-in name), so no
+    column is ambiguous."""
     def name(path: str) -> str:
         folder = Path(path)
-        return folder.parent.name if folder.name == "drafter" else folder.name
+        export = folder.name == "drafter" or folder.name.startswith("drafter-")
+        return folder.parent.name if export and folder.parent.name else folder.name
 
     counts = Counter(methods)
     labels = []
