@@ -76,8 +76,8 @@ def test_drafter_columns_are_unambiguous():
                            "runs/d/drafter"]) == \
         ["dspine:smollm2-dspine-no-chain", "dspine:abl", "dflash"]
     # The bf16 exports of train/ship_smollm2.sh are named by their run too.
-    exports = ["runs/ablate-dspine-ce/drafter-bf16", "runs/ablate-dspine-no-alignment/drafter-bf16"]
-    assert drafter_labels(["dspine", "dspine"], exports) == \
+    bf16 = ["runs/ablate-dspine-ce/drafter-bf16", "runs/ablate-dspine-no-alignment/drafter-bf16"]
+    assert drafter_labels(["dspine", "dspine"], bf16) == \
         ["dspine:ablate-dspine-ce", "dspine:ablate-dspine-no-alignment"]
     # The same run twice still gives two columns.
     assert drafter_labels(["dspine", "dspine"], ["r/drafter", "r/drafter"]) == \
