@@ -19,7 +19,7 @@
 #   KINDS="dflash dspine-ce-no-alignment"  TRAIN_SET="..." (extra --set for every training)
 #   EVAL_LIMIT=32  EVAL_BATCH=32  EVAL_PROMPT=768  TEMPS="0 1"
 #   ABLATE_KINDS="dspine-ce-no-alignment dspine-no-alignment dspine-ce
-#                 dspine-ce-no-alignment-no-teacher"  ABLATE_STEPS=2500  ABLATE_TEMPS=0
+#                 dspine-ce-no-alignment-no-teacher dflash"  ABLATE_STEPS=2500  ABLATE_TEMPS=0
 # The built-in drafters are $RUNS/ship-<kind>-cont/drafter-bf16/ (copy them into
 # dspine_jax/assets/drafters/ and their sha256 into dspine_jax/registry.py).
 set -euo pipefail
@@ -42,9 +42,9 @@ EVAL_BATCH=${EVAL_BATCH:-32}
 EVAL_PROMPT=${EVAL_PROMPT:-768}
 TEMPS=${TEMPS:-"0 1"}
 # The shipped recipe, then one change each: the CE+L1 backbone, the alignment loss, no
-# teacher replacement.
+# teacher replacement; DFlash trained the same way gives the ratio.
 ABLATE_KINDS=${ABLATE_KINDS:-"dspine-ce-no-alignment dspine-no-alignment dspine-ce
-  dspine-ce-no-alignment-no-teacher"}
+  dspine-ce-no-alignment-no-teacher dflash"}
 ABLATE_STEPS=${ABLATE_STEPS:-2500}
 ABLATE_TEMPS=${ABLATE_TEMPS:-0}
 
