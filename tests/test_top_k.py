@@ -17,6 +17,13 @@ def stable_top_k(x, k):
     return np.take_along_axis(np.asarray(x, np.float64), order, -1), order
 
 
+def assert_stable_top_k(values, ids, x, k):
+    """values and ids are exactly the stable float64 sort's top k of x."""
+    want_v, want_i = stable_top_k(x, k)
+    np.testing.assert_array_equal(ids, want_i)
+    np.testing.assert_array_equal(np.asarray(values, np.float64), want_v)
+
+
 # (method, rows, V, k, chunk or group): V a multiple of it or not, k up to one chunk
 # (two_stage) or up to the number of groups (grouped)
 CASES = [("two_stage", 3, 1000, 16, 64), ("two_stage", 5, 4096, 1, 256),
@@ -38,10 +45,8 @@ def test_equals_stable_sort_with_ties(name, rows, v, k, size, dtype):
     are pinned down too)."""
     x = np.random.default_rng(v + k).integers(-3, 4, size=(rows, v))
     values, ids = method(name)(jnp.asarray(x, dtype), k, size)
-    want_v, want_i = stable_top_k(x, k)
     assert ids.dtype == jnp.int32 and values.dtype == jnp.dtype(dtype)
-    np.testing.assert_array_equal(np.asarray(values, np.float64), want_v)
-    np.testing.assert_array_equal(ids, want_i)
+    assert_stable_top_k(values, ids, x, k)
 
 
 @pytest.mark.parametrize("name,size", [("two_stage", 64), ("grouped", 32)])
@@ -61,9 +66,7 @@ def test_keeps_real_minus_inf_before_the_padding(name, size):
 def test_random_rows_match_lax_order(name, seed, shape, size):
     x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
     values, ids = method(name)(jnp.asarray(x), 16, size)
-    want_v, want_i = stable_top_k(x, 16)
-    np.testing.assert_array_equal(ids, want_i)
-    np.testing.assert_array_equal(np.asarray(values, np.float64), want_v)
+    assert_stable_top_k(values, ids, x, 16)
 
 
 def test_k_above_the_chunk_is_refused():
@@ -113,9 +116,7 @@ def test_grouped_takes_several_entries_from_one_group():
     x[0, 64:72] = np.arange(8, 16)              # group 2 (of 32) holds all 8
     x[1, [3, 200, 201]] = [5.0, 7.0, 6.0]       # two groups; ties at 0 fill the rest
     values, ids = long_rows.grouped_top_k(jnp.asarray(x), 8, 32)
-    want_v, want_i = stable_top_k(x, 8)
-    np.testing.assert_array_equal(ids, want_i)
-    np.testing.assert_array_equal(np.asarray(values, np.float64), want_v)
+    assert_stable_top_k(values, ids, x, 8)
 
 
 def test_grouped_refuses_k_above_the_groups():
