@@ -114,9 +114,8 @@ def split_chunk(rows: int, v: int, k: int) -> int | None:
 def top_k(x: jax.Array, k: int):
     """lax.top_k over the last axis of x [..., V] -> (values [..., k], indices [..., k]
     int32): grouped where `group_size` says so, else in two stages where `split_chunk`
-    does. Leading axes are flattened first:
-    XLA's CPU backend keeps its TopK kernel only for rank-2 operands (a higher rank
-    becomes a full sort of the row)."""
+    does. Leading axes are flattened first: XLA's CPU backend keeps its TopK kernel only
+    for rank-2 operands (a higher rank becomes a full sort of the row)."""
     lead, v = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, v)
     group = group_size(v, k)
