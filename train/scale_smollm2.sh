@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# SmolLM2-135M-Instruct at ten times the data (issue 20): regenerate every ShareGPT human
+# SmolLM2-135M-Instruct drafters on every ShareGPT turn: regenerate every ShareGPT human
 # turn at several temperatures, train each drafter as a chain of short links (each link
 # one `dspine train` that resumes the previous link's full state), join the chain's
 # curves, evaluate against AR at T=0 and T=1. Every stage resumes where it stopped: rerun
@@ -7,7 +7,7 @@
 #
 #   train/scale_smollm2.sh [data|train|eval|all] ...
 #
-# Environment knobs (defaults = the planned run):
+# Environment knobs (defaults):
 #   RUNS=runs  DATA=$RUNS/data/sharegpt-all  PROMPTS= (all)  TEMPERATURES=0,0.7,1  SAMPLES=1
 #   MAX_NEW=1024  MAX_PROMPT=512  REGEN_BATCH=1024 (rows or slots)  SHARD=512
 #   ENGINE=slots (continuous batching) or batch (static batches)  NUM_PAGES= (slots: the
