@@ -77,9 +77,9 @@ def unfiltered_fast_path() -> bool:
 
 def top_k_indices(x: jax.Array, k: int) -> jax.Array:
     """Indices [..., k] int32 of the k largest entries along the last axis (ties to the
-    lower index), by `pallas_kernels.top_k.top_k`: rank-2 TopK on a CPU (a higher rank
-    becomes a full sort there: 15 x 49,152 logits took 128 ms instead of 2 ms on 2
-    cores), two stages over long rows on a GPU."""
+    lower index), by `pallas_kernels.top_k.top_k`: a rank-2 TopK on a CPU (a higher rank
+    becomes a full sort of each row there), grouped or in two stages over long rows on a
+    GPU."""
     return long_rows.top_k(x, k)[1]
 
 
@@ -197,17 +197,18 @@ def _largest_where(pred, lo: jax.Array, hi: jax.Array) -> jax.Array:
 
 def warp_search() -> bool:
     """Whether the branch-free warp finds its threshold by `_searched_threshold` instead
-    of a sort of the vocabulary (DSPINE_WARP_SEARCH=1). Off: on the H200 it is slower at
-    batch 8 (a sampled DFlash pass 4.2 against 3.1 ms) and no faster at batch 1."""
+    of a sort of the vocabulary (DSPINE_WARP_SEARCH=1). Off by default: on an H200 it is
+    slower at batch 8 and no faster at batch 1 (docs/benchmarks.md, "Sampling against
+    greedy")."""
     return os.environ.get("DSPINE_WARP_SEARCH", "0") == "1"
 
 
 def branch_free() -> bool:
     """Whether to trace selections without data-dependent control flow: on a GPU each
     `lax.cond` or `fori_loop` step in a decode step waits for the host to read its
-    predicate, and a sort of the vocabulary is cheap (measured on the H200: the partial
-    top-k with bisection made a T = 0.8 / top-p 0.9 verification 1.45x slower than the
-    sort). On CPUs (and TPUs) the sort is what costs, so the partial top-k stays."""
+    predicate, and a sort of the vocabulary is cheap, so the sort beats the partial top-k
+    with bisection there. On CPUs (and TPUs) the sort is what costs, so the partial top-k
+    stays."""
     return jax.default_backend() == "gpu"
 
 
@@ -223,12 +224,12 @@ def warp_threshold(scaled: jax.Array, params: SamplingParams,
     The same set as `warp_logits`, found without sorting the vocabulary:
     * rows without top-k/top-p (and greedy rows, whose warp is never used) get -inf with
       no selection at all (and nothing is traced when `params.all_unfiltered`);
-    * the others take the top-m values (m = caps[0]; XLA's TopK, 1.3 ms for 16 x 49,152
-      on 2 CPU cores where the sort takes 200 ms) and run warp_logits' cumulative rule on
-      them, which decides the set unless the kept set (or an active top-k) is longer;
+    * the others take the top-m values (m = caps[0]; XLA's TopK, on a CPU far cheaper
+      than a sort of the row) and run warp_logits' cumulative rule on them, which decides
+      the set unless the kept set (or an active top-k) is longer;
     * a longer top-p set (no top-k, or top-k >= V) is found by bisection: the kept set is
       {v : mass of the tokens above v < top_p}, monotone in v, so 32 halvings of the
-      ordered float32 range find its smallest member (32 masked sums, ~5 ms there);
+      ordered float32 range find its smallest member (32 masked sums);
     * only a top-k between m and V whose top-p set is also longer than m pays the full
       sort (later caps: a larger TopK first).
     On a GPU (`branch_free`) the sort decides every filtered row instead.
@@ -341,8 +342,8 @@ def warped_probability(scaled_values: jax.Array, tau: jax.Array,
 
 def first_argmax(x: jax.Array) -> jax.Array:
     """jnp.argmax over the last axis (the first index of the largest value), int32, through
-    TopK (`top_k_indices`): 0.8 ms for 16 x 49,152 on 2 CPU cores, where argmax's variadic
-    reduce takes 3.5 ms. Same result for non-NaN input (TopK puts lower indices first)."""
+    TopK (`top_k_indices`), which a CPU runs faster than argmax's variadic reduce. Same
+    result for non-NaN input (TopK puts lower indices first)."""
     return top_k_indices(x, 1)[..., 0]
 
 
@@ -360,8 +361,7 @@ def sample_categorical(probs: jax.Array, rng: jax.Array, block: int = 256) -> ja
     rng one key or one per row of the first axis (`row_keys`):
     an inverse CDF in vocabulary order, in two levels (sums of blocks of `block` tokens,
     then the cumsum inside the chosen block), so only reductions touch the whole row
-    (16 x 49,152: ~1 ms on 2 CPU cores, where Gumbel-max `categorical` takes 23 ms and a
-    full-row cumsum 3 ms). int32 [...]."""
+    (on a CPU cheaper than Gumbel-max `categorical` or a full-row cumsum). int32 [...]."""
     vocab = probs.shape[-1]
     lead = probs.shape[:-1]
     nb = -(-vocab // block)

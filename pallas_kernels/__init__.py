@@ -2,7 +2,9 @@
 
 Kernels import nothing from `dspine_jax`. Each op has one public function with an
 `implementation="auto" | "xla" | "pallas_tpu" | "pallas_gpu"` switch; "xla" is the
-reference (plain JAX, the documentation of what the kernels compute).
+reference (plain JAX, the documentation of what the kernels compute). Every kernel is
+tested on the CPU in interpret mode; the GPU kernels also compiled (`pytest -m gpu`), the
+TPU kernels not yet on a TPU.
 
 * `ragged_paged_attention` (folder `ragged_paged_attention/`): writes a call's new keys
   and values into a paged KV cache and attends over each row's first kv_lens keys,
@@ -21,9 +23,10 @@ reference (plain JAX, the documentation of what the kernels compute).
   logits one vocabulary chunk at a time); the drafters' training loss uses it. Mosaic TPU
   and Hopper GPU (Pallas Triton lowering) forward kernels beside vocabulary chunks in
   plain JAX.
-* `top_k` (module `top_k.py`): lax.top_k over long rows, exactly, split into chunks on a
-  GPU when the rows are too few to fill it (XLA's TopK runs one thread block per row);
-  the "xla" path of `vocab_top_k` and the engine's argmax and candidate top-k use it.
+* `top_k` (module `top_k.py`): lax.top_k over long rows, exactly; on a GPU grouped (k >= 2)
+  or split into chunks when the rows are too few to fill it (XLA's TopK runs one thread
+  block per row); the "xla" path of `vocab_top_k` and the engine's argmax and candidate
+  top-k use it.
 """
 
 from .dspine_proposal import dspine_proposal, vocab_top_k, vocab_top_k_reference

@@ -1,24 +1,18 @@
-"""lax.top_k over long rows (a vocabulary), exact: grouped, or in two stages when rows are few.
+"""Exact lax.top_k over long rows (a vocabulary), shaped for a GPU's TopK.
 
-XLA's GPU TopK runs one thread block per row, about 12 us of fixed cost plus ~3.4 ns per
-element on the H200. A few long rows leave most of the GPU idle: DSpine's 15 slots of
-49,152 logits took 168 us of a 1.7 ms SmolLM2 pass. Split into n chunks, each row becomes
-n short rows that run side by side: the top-k of each chunk, then the top-k of the
-n * k survivors. Many short rows are worse (the fixed cost: 786k rows of 1,024 took
-74 ms where 16,384 rows of 49,152 took 16 ms), so a row is split only into as many
-chunks as fill one wave of the GPU (multiprocessors / rows), never below 1,024 elements.
-The result is lax.top_k's exactly: a token in the global top-k is in its own chunk's
-top-k, and the survivors stay in index order (chunk by chunk, each chunk's ties lower
-index first), so ties still go to the lower index. CPUs keep one pass (3x faster there).
-DSPINE_TOP_K_SPLIT=0 in the environment turns the split off (before/after timings).
-
-For k >= 2 a GPU takes the grouped top-k instead (`grouped_top_k`): each row is cut into
-n groups of G, the groups' maxima (one memory-bound reduction) choose the k groups that
-can hold the top-k, and two TopKs over short rows (n maxima, then k * G entries) finish.
-Both are short, so the fixed cost per row, not the row length, sets the time (H200, k 16:
-15 x 49,152 in 61 us against the split's 76; 120 rows in 68 against one pass's 168;
-16,384 rows in 3.0 ms against 15.8). DSPINE_TOP_K_GROUPED=0 keeps the split
-(before/after timings).
+`top_k(x, k)` returns what lax.top_k(x, k) returns, ties to the lower index. XLA's GPU
+TopK runs one thread block per row, so a few long rows leave the GPU idle and many short
+rows pay a fixed cost each. On a GPU, therefore:
+  * k >= 2: `grouped_top_k` cuts each row into groups of G, one reduction takes every
+    group's maximum, a TopK over the maxima picks the k groups that can hold the row's
+    top-k, and a TopK over their k * G entries finishes;
+  * k = 1, or rows too short to group: when the rows are too few to fill the GPU,
+    `two_stage_top_k` splits each into as many chunks as fill one wave (each at least
+    MIN_CHUNK long), takes each chunk's top-k, then the top-k of the survivors.
+Elsewhere (CPU, TPU) one lax.top_k. Both paths are exact: an entry of the row's top-k is
+in the top-k of its own group or chunk, and survivors keep index order. The environment
+switches DSPINE_TOP_K_GROUPED=0 and DSPINE_TOP_K_SPLIT=0 turn the two paths off (the
+grouped path against the split in a decoding pass: docs/benchmarks.md, "Engine options").
 
 Shape legend: R rows, V row length, C chunk, n = ceil(V / C) chunks; G group, n = ceil(V / G)
 groups.

@@ -57,8 +57,7 @@ def train(cfg: TrainConfig, *, progress: bool = True, trace_dir: Path | None = N
     """Train (or resume) and export the drafter; returns a summary.
 
     trace_dir: a jax.profiler trace of `trace_steps` steps after the compiling first one
-    (on the H200 a trace that also covered the compilation held almost none of the
-    steps' kernels). analysis: a dict to fill with XLA's account of the compiled step
+    (a trace that also covers the compilation holds almost none of the steps' kernels). analysis: a dict to fill with XLA's account of the compiled step
     (`step_analysis`: FLOPs, bytes accessed, temporary memory)."""
     from tqdm import tqdm
 
@@ -246,9 +245,9 @@ def step_analysis(step_fn, args) -> dict:
 
 def training_target_attention(cfg: TrainConfig) -> AttentionBackend:
     """The frozen target's attention backend for `target.attention`: "auto" is cuDNN's
-    fused attention where it runs (a CUDA GPU, bf16/f16: 1.53x the training step's
-    tokens/s on an H200, docs/benchmarks.md) and XLA elsewhere; "cudnn" where it cannot
-    run is an error naming the problem."""
+    fused attention where it runs (a CUDA GPU, bf16/f16; XLA's attention writes the
+    [B, N, T, T] float32 scores of every layer) and XLA elsewhere; "cudnn" where it
+    cannot run is an error naming the problem."""
     if cfg.target.attention == "xla":
         return XlaBackend()
     backend = CudnnBackend()

@@ -16,10 +16,9 @@ small (R = 15 at batch 1, K = 16): S is chosen so that ceil(R / BR) * S is about
 the multiprocessor count. Vocab rows past V are clamped to row V - 1 and masked to -inf.
 
 Why Triton and not Mosaic GPU: as for `ragged_paged_attention/gpu.py`, a Mosaic GPU
-kernel can only be compiled and checked on a GPU, and none was available while this op
-was written; the Triton kernel lowers on the CPU (jax.jit(...).trace(...).lower(
-lowering_platforms=("cuda",))) and runs in Pallas's interpret mode, so the tests check
-it here. The Triton lowering is deprecated in JAX 0.11 but still ships; a Mosaic GPU port
+kernel compiles only on a GPU, while the Triton kernel lowers on the CPU
+(jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))) and runs in Pallas's
+interpret mode, so CI tests it. The Triton lowering is deprecated in JAX 0.11 but still ships; a Mosaic GPU port
 keeps this grid, the merge and the XLA combine.
 """
 

@@ -134,9 +134,8 @@ def walk_at_once() -> bool:
     """How a sampled `walk_chain` draws: every slot's pick given every predecessor at once,
     or slot by slot. On GPUs at once: each step of a slot-by-slot walk is a dozen small
     kernels (sort, softmax, cumsum, draw), 15 steps in sequence. On CPUs slot by slot:
-    there the work counts, and warping C times as many rows made a sampled walk 1.2x
-    (batch 1) to 6.8x (batch 8) slower (docs/benchmarks.md, `jax_kernels`'s chain_walk).
-    DSPINE_CHAIN_WALK=all|steps overrides. Both are exact; their draws differ. Greedy
+    there the work counts, and at once warps C times as many rows (timings of both:
+    docs/benchmarks.md, "PyTorch port and kernels"). DSPINE_CHAIN_WALK=all|steps overrides. Both are exact; their draws differ. Greedy
     walks always go at once (the same picks)."""
     mode = os.environ.get("DSPINE_CHAIN_WALK", "auto")
     if mode not in ("auto", "all", "steps"):

@@ -10,7 +10,7 @@ merge when no row beats its current KP-th value; the last step writes the top-KP
 Columns past V (the padding of the last tile) are masked to -inf. The [R, V] logits never
 leave VMEM.
 
-Not run on a TPU (none was available): checked on the CPU in TPU interpret mode, and
+Not yet run on a TPU: checked on the CPU in TPU interpret mode, and
 lowered to Mosaic for the TPU platform on the CPU (jax.jit(...).trace(...).lower(
 lowering_platforms=("tpu",))) at SmolLM2's shapes; Mosaic's own compile is untested.
 Tuning left open: BV (512 by default), and splitting the vocab axis over the two

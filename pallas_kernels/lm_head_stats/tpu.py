@@ -10,7 +10,7 @@ running max, sum of exp(logit - max) and count before the label, held in VMEM sc
 (lane-replicated [BR, 128], the TPU's tile); the last step writes them. Columns past V
 are -inf. The [R, V] logits never leave VMEM.
 
-Not run on a TPU (none was available): checked on the CPU in TPU interpret mode.
+Not yet run on a TPU: checked on the CPU in TPU interpret mode.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ query tiles), each program runs an online softmax over its key tiles and writes 
 unnormalised partial (acc, max, sum); a small XLA combine merges the S partials and lays
 them out as [B, T, N, H] (two or three fusions), or, with combine="kernel"
 (DSPINE_RPA_COMBINE=kernel), one small Pallas kernel does both (`_combine_kernel`: one
-program per (row, kv head, query tile), an online merge over the splits). The kernel is
-off by default: on an H200 it made a SmolLM2 AR step 5% and a DSpine pass 16% slower.
+program per (row, kv head, query tile), an online merge over the splits); it is off by
+default, being the slower of the two on an H200 (docs/benchmarks.md, "Engine options").
 
 Keys. A tile of BN keys is gathered through the page table: BN / PS page ids per tile
 (scalar loads), then each key's H values, which are contiguous in the pool (the keys of
@@ -32,22 +32,19 @@ The new tokens. For calls of at most FUSED_WRITE_MAX_T tokens per row (decode, v
 draft) the programs read only keys [0, ctx) from the pools; the call's own keys are one
 block of T keys read straight from new_k/new_v and attended by each row's last split
 (the causal mask inside it), and the last program of each (row, kv head) stores the
-row's new tokens into the (aliased, donated) pools while the others read. That saves the
-two XLA scatter kernels per layer a small call otherwise pays (at batch 1 on SmolLM2
-they were 7% of an AR step's device time and 10% of a DSpine pass's). Longer calls
-(prefill) are written by an XLA scatter first and read from the pools like every key.
+row's new tokens into the (aliased, donated) pools while the others read, which saves
+the two XLA scatter kernels per layer a small call otherwise pays. Longer calls (prefill)
+are written by an XLA scatter first and read from the pools like every key.
 A page id outside the pool takes no store (`store_lanes`), as the scatter drops it: the
 slot engine's padding rows hold the pool size in every entry.
 
-Why Triton and not Mosaic GPU. Mosaic GPU (`plgpu`) is the supported Hopper lowering and
-its TMA copies take a dynamic leading index, but (a) its pipelines fetch one rectangular
-block per step, so a page gather needs a hand-written TMA-per-page loop whose page ids
-must first be staged from GMEM into SMEM/registers, and (b) a Mosaic GPU kernel can only
-be compiled on a GPU; this op was written with a budget of four GPU runs, while a Triton
-kernel lowers on the CPU (jax.jit(...).trace(...).lower(lowering_platforms=("cuda",)))
-and runs in Pallas's CPU interpret mode, so the tests run it in CI. The Triton lowering
-is deprecated in JAX 0.11 but still ships; a Mosaic GPU port would keep this file's grid
-and combine.
+Why Triton and not Mosaic GPU. Mosaic GPU (`plgpu`) is the supported Hopper lowering, but
+(a) its pipelines fetch one rectangular block per step, so a page gather needs a
+hand-written TMA-per-page loop whose page ids must first be staged into SMEM/registers,
+and (b) a Mosaic GPU kernel compiles only on a GPU, while a Triton kernel lowers on the
+CPU (jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))) and runs in Pallas's
+CPU interpret mode, so CI tests it. The Triton lowering is deprecated in JAX 0.11 but
+still ships; a Mosaic GPU port would keep this file's grid and combine.
 """
 
 from __future__ import annotations

@@ -21,9 +21,9 @@ for each kv head over the G x T queries packed in M (row m = t * G + g), scores 
 slots of the last page past kv_len are masked and zeroed before use. The new tokens are
 written first by an XLA scatter into the (donated) pools.
 
-Tuning left open (no TPU was used while writing this): one page per grid step is small
-for PS = 16; fetching several pages per step needs hand-written DMAs (make_async_copy per
-page) as in the shipped kernel. Runs on the CPU in TPU interpret mode (interpret=True).
+Not yet run on a TPU: it runs on the CPU in TPU interpret mode (interpret=True). Tuning
+left open: one page per grid step is small for PS = 16; fetching several pages per step
+needs hand-written DMAs (make_async_copy per page) as in the shipped kernel.
 """
 
 from __future__ import annotations
