@@ -31,7 +31,7 @@ LOGITS_PATHS = ("auto", "dense", "fused")
 # Below about this width the [R, V] logits are bandwidth-bound (2D FLOPs per 4-byte logit
 # written and read again), so computing them tile by tile wins; above it cuBLAS's matmul
 # beats the kernel's. On the H200: D 576 (SmolLM2), the step 1.04x with 34% less memory;
-# D 4,096 (Qwen3-8B), the op 1.3x slower (docs/benchmarks.md, "the loss's vocabulary work").
+# D 4,096 (Qwen3-8B), the op 1.3x slower (docs/benchmarks.md, "Drafter training throughput").
 FUSED_MAX_HIDDEN = 1024
 
 

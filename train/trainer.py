@@ -57,8 +57,9 @@ def train(cfg: TrainConfig, *, progress: bool = True, trace_dir: Path | None = N
     """Train (or resume) and export the drafter; returns a summary.
 
     trace_dir: a jax.profiler trace of `trace_steps` steps after the compiling first one
-    (a trace that also covers the compilation holds almost none of the steps' kernels). analysis: a dict to fill with XLA's account of the compiled step
-    (`step_analysis`: FLOPs, bytes accessed, temporary memory)."""
+    (a trace that also covers the compilation holds almost none of the steps' kernels).
+    analysis: a dict to fill with XLA's account of the compiled step (`step_analysis`:
+    FLOPs, bytes accessed, temporary memory)."""
     from tqdm import tqdm
 
     out = Path(cfg.run.out)

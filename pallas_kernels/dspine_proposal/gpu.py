@@ -18,8 +18,8 @@ the multiprocessor count. Vocab rows past V are clamped to row V - 1 and masked 
 Why Triton and not Mosaic GPU: as for `ragged_paged_attention/gpu.py`, a Mosaic GPU
 kernel compiles only on a GPU, while the Triton kernel lowers on the CPU
 (jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))) and runs in Pallas's
-interpret mode, so CI tests it. The Triton lowering is deprecated in JAX 0.11 but still ships; a Mosaic GPU port
-keeps this grid, the merge and the XLA combine.
+interpret mode, so CI tests it. The Triton lowering is deprecated in JAX 0.11 but still
+ships; a Mosaic GPU port keeps this grid, the merge and the XLA combine.
 """
 
 from __future__ import annotations

@@ -135,8 +135,9 @@ def walk_at_once() -> bool:
     or slot by slot. On GPUs at once: each step of a slot-by-slot walk is a dozen small
     kernels (sort, softmax, cumsum, draw), 15 steps in sequence. On CPUs slot by slot:
     there the work counts, and at once warps C times as many rows (timings of both:
-    docs/benchmarks.md, "PyTorch port and kernels"). DSPINE_CHAIN_WALK=all|steps overrides. Both are exact; their draws differ. Greedy
-    walks always go at once (the same picks)."""
+    docs/benchmarks.md, "PyTorch port and kernels"). DSPINE_CHAIN_WALK=all|steps
+    overrides. Both are exact; their draws differ. Greedy walks always go at once (the
+    same picks)."""
     mode = os.environ.get("DSPINE_CHAIN_WALK", "auto")
     if mode not in ("auto", "all", "steps"):
         raise ValueError(f"DSPINE_CHAIN_WALK must be auto, all or steps, got {mode!r}")
