@@ -397,7 +397,8 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--cost-table", action="store_true",
-                   help="print the per-TPU roofline table (docs/tpu.md) and exit")
+                   help="print the per-TPU roofline tables of docs/tpu.md (serving at batch "
+                        "1 and --context; each --train-config's run) and exit")
     return p.parse_args(argv)
 
 
@@ -406,8 +407,11 @@ def main(argv=None) -> int:
     config = target_config(args.target, args.layers)
     if args.cost_table:
         from dspine_benchmarks.tpu_roofline import cost_table
+        from dspine_train.config import load_config
 
-        print(cost_table(config, draft_layers=args.draft_layers, context=args.context))
+        configs = [(Path(path).stem, load_config(Path(path))) for path in args.train_config]
+        print(cost_table(config, draft_layers=args.draft_layers, context=args.context,
+                         train_configs=configs))
         return 0
     import jax
 
