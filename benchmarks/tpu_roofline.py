@@ -188,7 +188,7 @@ def training_table(config, train_configs, slices=((TPUS[0], 16), (TPUS[1], 16),
         hours = [cfg.run.steps * flops / (n * chip.peak_flops) / 3600 for chip, n in slices]
         lines.append(f"| {name} | {cfg.run.steps:,} | {cfg.run.batch_size} x "
                      f"{cfg.data.seq_len} | {flops / 1e12:.0f} | "
-                     + " | ".join(f"{h:.1f}" for h in hours) + " |")
+                     + " | ".join(f"{h:.2f}" for h in hours) + " |")
     return "\n".join(lines)
 
 
