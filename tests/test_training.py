@@ -469,7 +469,7 @@ def test_pod_rehearsal_four_hosts_preempted_resume_bit_exact(workspace, tmp_path
     equals, bit for bit, that of the same four hosts trained without a stop. (A single
     process with the same eight devices matches to float rounding only: the gradient sum
     over hosts adds in another order; test_two_processes_train_like_one_device.)"""
-    steps, mesh = 4, ["mesh.data=2", "mesh.fsdp=4"]
+    steps, mesh = 6, ["mesh.data=2", "mesh.fsdp=4"]   # checks at 2 and 4 stop early
     cache = tmp_path / "compilation-cache"
     runs = {name: tmp_path / name for name in ("straight", "preempted")}
     for name, out in runs.items():
