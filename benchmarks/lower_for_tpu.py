@@ -243,7 +243,7 @@ def train_configs(config, args) -> list:
         "run": {"batch_size": 32}})) for kind in ("dflash", "dspine")]
     for path in args.train_config:
         configs.append((f"train/{Path(path).stem}", load_config(Path(path))))
-    return configs
+    return configs          # (main has read each file once already: errors are named there)
 
 
 def per_device_bytes(tree) -> int:
@@ -403,13 +403,19 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    from dspine_jax.errors import DSpineError
+    from dspine_train.config import load_config
+
     args = parse_args(argv)
     config = target_config(args.target, args.layers)
+    try:                          # a bad config file is named before anything is built
+        configs = [(Path(path).stem, load_config(Path(path))) for path in args.train_config]
+    except DSpineError as e:
+        print(f"lower_for_tpu: {e}", file=sys.stderr)
+        return 2
     if args.cost_table:
         from dspine_benchmarks.tpu_roofline import cost_table
-        from dspine_train.config import load_config
 
-        configs = [(Path(path).stem, load_config(Path(path))) for path in args.train_config]
         print(cost_table(config, draft_layers=args.draft_layers, context=args.context,
                          train_configs=configs))
         return 0
