@@ -1,6 +1,12 @@
 """Drafter training throughput (tokens/s, MFU) on synthetic data.
 
   python -m dspine_benchmarks.train_throughput --target preset:smollm2-135m --kind dspine
+  python -m dspine_benchmarks.train_throughput --config train/configs/qwen3_8b_dspine.toml \
+      --target preset:qwen3-8b --set run.batch_size=8 --steps 20
+
+--config FILE runs that training config (its drafter, loss, batch, sequence length and
+blocks; --set overrides any field) on --target, in place of the --kind ... --logits
+options, which it refuses.
 
 Writes a dataset of random token sequences (throughput does not depend on their content),
 runs `dspine train` for --steps steps and reports the steady-state figures the trainer
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import tempfile
 from datetime import date
@@ -27,8 +34,12 @@ import numpy as np
 from dspine_benchmarks import hlo_names
 from dspine_benchmarks.profile_step import device_events, summarise, top_table
 from dspine_jax.data.shards import Sequence, write_manifest, write_shard
-from dspine_train.config import from_dict
+from dspine_train.config import from_dict, load_config
 from dspine_train.trainer import train
+
+# The options --config replaces (it sets the drafter, the loss and the batch's shape).
+CONFIG_OPTIONS = ("kind", "layers", "batch", "seq_len", "blocks", "target_attention",
+                  "candidates", "backbone", "alignment", "logits")
 
 
 def synthetic_dataset(folder: Path, vocab: int, num: int, seq_len: int, prompt: int) -> None:
@@ -97,7 +108,18 @@ def main(argv=None):
     p.add_argument("--out", default=None)
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="trace the run and list the N costliest operations per step")
+    p.add_argument("--config", type=Path, default=None, metavar="FILE",
+                   help="a training config to run (on --target, synthetic data) instead of "
+                        "the options above")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="with --config: override a field (repeatable)")
     args = p.parse_args(argv)
+    own = [f"--{name.replace('_', '-')}" for name in CONFIG_OPTIONS
+           if getattr(args, name) != p.get_default(name)]
+    if args.config is not None and own:
+        p.error(f"{', '.join(own)}: --config sets these; use --set section.key=value")
+    if args.set and args.config is None:
+        p.error("--set overrides fields of --config; give --config")
     with tempfile.TemporaryDirectory() as tmp:
         if args.profile:  # before anything compiles: the kernels' JAX operations
             hlo_names.dump_hlo_to(Path(tmp) / "hlo", "step")
@@ -105,20 +127,32 @@ def main(argv=None):
 
         vocab = load_target(args.target, dtype="f32", with_tokenizer=False).config.vocab_size
         data = Path(tmp) / "data"
-        data.mkdir()
-        synthetic_dataset(data, vocab, 4 * args.batch, args.seq_len, args.seq_len // 4)
+
         log_every = max(1, args.steps // 3)
-        cfg = from_dict({
-            "target": {"name": args.target, "attention": args.target_attention},
-            "drafter": {"kind": args.kind, "layers": args.layers, "mask_token_id": 1},
-            "loss": {"candidates": args.candidates, "logits": args.logits,
-                     "alignment": args.alignment == "on",
-                     **({"backbone": args.backbone} if args.backbone else {})},
-            "data": {"path": str(data), "seq_len": args.seq_len, "blocks_per_seq": args.blocks},
-            "run": {"out": str(Path(tmp) / "run"), "steps": args.steps + 1,
-                    "batch_size": args.batch, "log_every": log_every,
-                    "checkpoint_every": 10 ** 9},
-        })
+        run = {"out": str(Path(tmp) / "run"), "steps": args.steps + 1, "log_every": log_every,
+               "checkpoint_every": 10 ** 9}
+        if args.config is not None:
+            base = load_config(args.config, args.set)
+            seq_len = base.data.seq_len
+            cfg = dataclasses.replace(
+                base, target=dataclasses.replace(base.target, name=args.target),
+                data=dataclasses.replace(base.data, path=str(data), cached_features=False),
+                run=dataclasses.replace(base.run, resume_from="", stop_after=0, max_seconds=0,
+                                        **run))
+        else:
+            seq_len = args.seq_len
+            cfg = from_dict({
+                "target": {"name": args.target, "attention": args.target_attention},
+                "drafter": {"kind": args.kind, "layers": args.layers, "mask_token_id": 1},
+                "loss": {"candidates": args.candidates, "logits": args.logits,
+                         "alignment": args.alignment == "on",
+                         **({"backbone": args.backbone} if args.backbone else {})},
+                "data": {"path": str(data), "seq_len": args.seq_len,
+                         "blocks_per_seq": args.blocks},
+                "run": {**run, "batch_size": args.batch},
+            })
+        data.mkdir()
+        synthetic_dataset(data, vocab, 4 * cfg.run.batch_size, seq_len, seq_len // 4)
         traced_steps = min(10, args.steps - 1) if args.profile else 0
         trace = Path(tmp) / "trace" if args.profile else None
         analysis = {} if args.analysis else None
@@ -131,11 +165,14 @@ def main(argv=None):
         with open(Path(tmp) / "run" / "metrics.csv") as f:
             rows = list(csv.DictReader(f))
     last = rows[-1]
-    result = dict(target=args.target, kind=args.kind, layers=args.layers, batch=args.batch,
-                  target_attention=args.target_attention, candidates=args.candidates,
-                  backbone=args.backbone, alignment=args.alignment, logits=args.logits,
+    result = dict(target=args.target, kind=cfg.drafter.kind, layers=cfg.drafter.layers,
+                  batch=cfg.run.batch_size, target_attention=cfg.target.attention,
+                  candidates=cfg.loss.candidates, backbone=cfg.loss.backbone,
+                  alignment="on" if cfg.loss.alignment else "off", logits=cfg.loss.logits,
+                  config=str(args.config) if args.config else None, set=args.set,
                   peak_device_memory_bytes=summary.get("peak_device_memory_bytes"),
-                  seq_len=args.seq_len, blocks_per_seq=args.blocks,
+                  seq_len=cfg.data.seq_len, blocks_per_seq=cfg.data.blocks_per_seq,
+                  step_seconds=cfg.run.batch_size * cfg.data.seq_len / float(last["tokens_per_s"]),
                   tokens_per_s=float(last["tokens_per_s"]),
                   mfu=float(last["mfu"]) if last.get("mfu") else None,
                   loss=float(last["loss"]), date=str(date.today()))

@@ -63,3 +63,32 @@ def test_kernel_kinds_name_cublas_hopper_and_xla_top_k_kernels():
                        "(float*, int, float*, unsigned int*, int)") == "topk"
     assert kernel_kind("loop_reduce_fusion", "jit(step)/top_k") == "topk"
     assert kernel_kind("loop_transpose_fusion_40", "jit(step)/convert_element_type") == "other"
+
+
+def test_a_training_config_runs_on_the_target_given(tiny_llama_dir, tmp_path):
+    """--config: the config's drafter, loss and batch shape on --target (here a tiny
+    checkpoint standing in for the preset a GPU run takes), synthetic data, --set last."""
+    config = tmp_path / "c.toml"
+    config.write_text('[target]\nname = "not-loaded"\n[drafter]\nkind = "dflash"\nlayers = 1\n'
+                      'block_size = 4\nmask_token_id = 1\n[data]\npath = "nowhere"\n'
+                      'seq_len = 32\nblocks_per_seq = 2\n[run]\nbatch_size = 4\n')
+    out = tmp_path / "tt.jsonl"
+    run = subprocess.run(
+        [sys.executable, "-m", "dspine_benchmarks.train_throughput", "--config", str(config),
+         "--target", str(tiny_llama_dir), "--set", "run.batch_size=2", "--steps", "2",
+         "--out", str(out)], capture_output=True, text=True, timeout=600, check=False)
+    assert run.returncode == 0, run.stderr[-2000:]
+    [result] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert (result["kind"], result["layers"], result["batch"], result["seq_len"],
+            result["blocks_per_seq"]) == ("dflash", 1, 2, 32, 2)
+    assert result["step_seconds"] == pytest.approx(2 * 32 / result["tokens_per_s"])
+
+
+def test_config_refuses_the_options_it_replaces(tmp_path):
+    from dspine_benchmarks.train_throughput import main
+
+    with pytest.raises(SystemExit) as refused:
+        main(["--config", str(tmp_path / "c.toml"), "--kind", "dflash", "--batch", "4"])
+    assert refused.value.code == 2
+    with pytest.raises(SystemExit):
+        main(["--set", "run.batch_size=2"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -407,6 +408,143 @@ def test_two_processes_train_like_one_device(workspace, tmp_path):
         tol = dict(rtol=5e-3, atol=1e-4) if key.startswith("transfer_") else \
             dict(rtol=2e-4, atol=1e-5)
         np.testing.assert_allclose(got[key], reference[key], err_msg=key, **tol)
+
+
+def launch_pod(config: Path, cache: Path, *overrides: str, processes=4, devices_each=2):
+    """`dspine train --distributed` in `processes` CPU processes of `devices_each` fake
+    devices, as on the hosts of a TPU pod slice (jax.distributed over localhost). The
+    launches of one test share a compilation cache: a relaunch compiles nothing new."""
+    from dspine_benchmarks.train_scaling import free_port
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_each}",
+               JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    port = free_port()
+    sets = [arg for kv in overrides for arg in ("--set", kv)]
+    return [subprocess.Popen(
+        [sys.executable, "-m", "dspine_jax", "train", "--distributed", "--coordinator",
+         f"127.0.0.1:{port}", "--num-processes", str(processes), "--process-id", str(i),
+         "--config", str(config), *sets],
+        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in range(processes)]
+
+
+def finish(procs) -> list[str]:
+    outputs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0] * len(procs), \
+        "\n".join(out + err[-3000:] for out, err in outputs)
+    return [out for out, _ in outputs]
+
+
+def preempt_after_first_step(procs, steps: int) -> list[str]:
+    """SIGTERM to host 0 (a preempted TPU VM) once its progress bar shows a step done
+    (its handler is installed by then); every host's output after they stop."""
+    import signal
+    import threading
+
+    seen, first_step = [], threading.Event()
+
+    def watch():                                   # host 0's progress bar, on stderr
+        while chunk := procs[0].stderr.read(64):
+            seen.append(chunk)
+            if re.search(rf"\b[1-9]\d*/{steps}\b", "".join(seen[-3:])):
+                first_step.set()
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    assert first_step.wait(600), "".join(seen)[-3000:]
+    procs[0].send_signal(signal.SIGTERM)
+    outputs = [procs[0].stdout.read()] + [p.communicate(timeout=600)[0] for p in procs[1:]]
+    procs[0].wait(timeout=600)
+    watcher.join(timeout=10)
+    assert [p.returncode for p in procs] == [0] * len(procs), "".join(seen)[-3000:]
+    return outputs
+
+
+def test_pod_rehearsal_four_hosts_preempted_resume_bit_exact(workspace, tmp_path):
+    """A TPU pod slice rehearsed on the CPU: four hosts (processes) of two devices each
+    train on a 2 x 4 data x fsdp mesh, parameters and optimizer state split across hosts.
+    Host 0 is preempted (SIGTERM) after a step: every host agrees on one step,
+    checkpoints it and exits; the job is relaunched, resumes and finishes. Its drafter
+    equals, bit for bit, that of the same four hosts trained without a stop. (A single
+    process with the same eight devices matches to float rounding only: the gradient sum
+    over hosts adds in another order; test_two_processes_train_like_one_device.)"""
+    steps, mesh = 6, ["mesh.data=2", "mesh.fsdp=4"]   # checks at 2 and 4 stop early
+    cache = tmp_path / "compilation-cache"
+    runs = {name: tmp_path / name for name in ("straight", "preempted")}
+    for name, out in runs.items():
+        (tmp_path / f"{name}.toml").write_text(config_text(
+            workspace, out, steps=steps, drafter={"kind": "dflash"},
+            run={"log_every": 2, "checkpoint_every": 100}))   # hosts agree every 2 steps
+    finish(launch_pod(tmp_path / "straight.toml", cache, *mesh))
+
+    outputs = preempt_after_first_step(launch_pod(tmp_path / "preempted.toml", cache, *mesh),
+                                       steps)
+    stopped = [re.search(r"stopped at step (\d+)", out) for out in outputs]
+    assert all(stopped) and len({m.group(1) for m in stopped}) == 1, outputs
+    at = int(stopped[0].group(1))
+    assert 1 <= at < steps and (runs["preempted"] / "checkpoints" / str(at)).is_dir()
+    assert not (runs["preempted"] / "drafter").exists()
+
+    resumed = finish(launch_pod(tmp_path / "preempted.toml", cache, *mesh))
+    assert all(f"finished at step {steps}" in out for out in resumed), resumed
+    reference, got = drafter_tensors(runs["straight"]), drafter_tensors(runs["preempted"])
+    assert reference.keys() == got.keys()
+    for key in reference:
+        np.testing.assert_array_equal(got[key], reference[key], err_msg=key)
+
+
+def launch_script(*args, **env):
+    """train/launch_tpu_pod.sh under bash with an empty PATH: no gcloud, no git (REPO_URL
+    and REV given), nothing else the dry run may call."""
+    import shutil
+
+    return subprocess.run([shutil.which("bash"), str(ROOT / "train" / "launch_tpu_pod.sh"),
+                           *args], capture_output=True, text=True, cwd=ROOT, timeout=60,
+                          env={"PATH": str(ROOT / "tests" / "fixtures" / "no-such-bin"),
+                               "HOME": "/nonexistent", **env})
+
+
+def bash_words(line: str) -> list[str]:
+    """The arguments bash reads from a printed command line."""
+    import shutil
+
+    out = subprocess.run([shutil.which("bash"), "-c", 'eval "set -- $1"; printf "%s\\0" "$@"',
+                          "_", line], capture_output=True, text=True, check=True).stdout
+    return out.split("\0")[:-1]
+
+
+def test_launch_tpu_pod_dry_run_prints_every_command(tmp_path):
+    import shlex
+
+    config = "train/configs/qwen3_8b_dspine.toml"
+    result = launch_script("--dry-run", "my-pod", "us-east5-a", config, "--set",
+                           "run.steps=20", "--set", 'run.out="/mnt/shared/q 8b"',
+                           REPO_URL="https://example.com/dspine-jax.git", REV="abc123")
+    assert result.returncode == 0, result.stderr
+    copy, launch, *script = result.stdout.splitlines()
+    assert bash_words(copy) == ["gcloud", "compute", "tpus", "tpu-vm", "scp", config,
+                                 "my-pod:~/train.toml", "--zone", "us-east5-a", "--worker=all"]
+    words = bash_words(launch)
+    assert words[:9] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "my-pod", "--zone",
+                         "us-east5-a", "--worker=all"] and words[9] == "--command"
+    remote = words[10]
+    assert script == ["# every worker of my-pod runs:", *remote.splitlines()]
+    assert "git clone https://example.com/dspine-jax.git dspine-jax" in remote
+    assert "git checkout -q abc123" in remote
+    # the worker's shell hands `dspine train` each --set pair whole, quotes and space kept
+    train = shlex.split(remote.splitlines()[-1])
+    assert train == ["dspine", "train", "--distributed", "--config", "~/train.toml", "--set",
+                     "run.steps=20", "--set", 'run.out="/mnt/shared/q 8b"']
+    assert subprocess.run(["bash", "-n", "-c", remote]).returncode == 0
+    plain = launch_script("--dry-run", "my-pod", "z", config, REPO_URL="u", REV="r")
+    assert plain.stdout.splitlines()[-1] == "dspine train --distributed --config ~/train.toml"
+
+    missing = launch_script("my-pod", "z", config, REPO_URL="u", REV="r")
+    assert missing.returncode == 2 and "gcloud is not on PATH" in missing.stderr
+    bad = launch_script("--dry-run", "my-pod", "z", str(tmp_path / "none.toml"),
+                        REPO_URL="u", REV="r")
+    assert bad.returncode == 2 and "no such config file" in bad.stderr
 
 
 def test_process_options_need_distributed(tmp_path):

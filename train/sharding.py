@@ -60,20 +60,31 @@ def place(x, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
+def _identity(tree):
+    return tree
+
+
 def to_host(tree):
     """Whole numpy copies of every array leaf on every process, gathering shards that
-    live on other processes' devices."""
-    from jax.experimental import multihost_utils
-
-    def fetch(x):
-        if not isinstance(x, jax.Array) or x.is_fully_addressable:
-            return jax.device_get(x)
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            return jax.random.wrap_key_data(fetch(jax.random.key_data(x)),
-                                            impl=jax.random.key_impl(x))
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-    return jax.tree.map(fetch, tree)
+    live on other processes' devices: one program replicates them all (every process
+    calls it), where a gather per leaf would wait on the hosts once per leaf."""
+    leaves, treedef = jax.tree.flatten(tree)
+    remote = [i for i, x in enumerate(leaves)
+              if isinstance(x, jax.Array) and not x.is_fully_addressable]
+    keys = {i: jax.random.key_impl(leaves[i]) for i in remote
+            if jax.dtypes.issubdtype(leaves[i].dtype, jax.dtypes.prng_key)}
+    if remote:
+        data = [jax.random.key_data(leaves[i]) if i in keys else leaves[i] for i in remote]
+        everywhere = [x.sharding.update(spec=P()) if isinstance(x.sharding, NamedSharding)
+                      else NamedSharding(Mesh(np.asarray(x.sharding._device_assignment),
+                                              ("all",)), P())
+                      for x in data]
+        gathered = jax.jit(_identity, out_shardings=everywhere)(data)
+        for i, x in zip(remote, gathered):
+            host = np.asarray(x.addressable_data(0))
+            leaves[i] = jax.random.wrap_key_data(host, impl=keys[i]) if i in keys else host
+    return jax.tree.unflatten(treedef, [x if i in remote else jax.device_get(x)
+                                        for i, x in enumerate(leaves)])
 
 
 def shard_tree(tree, mesh: Mesh):

@@ -220,8 +220,7 @@ def train(cfg: TrainConfig, *, progress: bool = True, trace_dir: Path | None = N
                "data_manifest": manifest.get("settings", {}),
                "peak_device_memory_bytes": peak_device_memory()}
     # Every process takes part in gathering fsdp shards from other hosts; process 0 writes.
-    final = (nnx.merge(drafter_graph, sharding.to_host(params), sharding.to_host(rest))
-             if finished else None)
+    final = nnx.merge(drafter_graph, *sharding.to_host((params, rest))) if finished else None
     if finished and lead:
         save_drafter(final, out / "drafter")
         summary["drafter"] = str(out / "drafter")

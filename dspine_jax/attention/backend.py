@@ -11,8 +11,10 @@ drafter's context grows by target features, with no attention).
           rows' pages into a [B, S, K, H] view first, so they cost O(capacity) per row.
           Differentiable; the only path for dense calls (training), on every backend.
   pallas  the `pallas_kernels.ragged_paged_attention` op for paged calls: reads only each
-          row's first kv_len keys. Compiled on CUDA GPUs and TPUs; on other platforms it
-          runs the GPU kernel in Pallas interpret mode (slow; for tests).
+          row's first kv_len keys. Compiled on CUDA GPUs, and on TPUs (the Mosaic kernel,
+          lowered in CI, never yet run on one); on other platforms it runs the GPU kernel
+          in Pallas interpret mode (slow; for tests). `PallasBackend("pallas_tpu",
+          interpret=False)` asks for the TPU kernel from any host (to lower for TPU).
   cudnn   dense causal self-attention through cuDNN's fused (flash) attention, which
           never writes the [B, N, T, T] scores: the frozen target's forward in training
           (`target.attention`). CUDA GPUs, bf16/f16; other calls as xla.

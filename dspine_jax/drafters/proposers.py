@@ -37,7 +37,9 @@ from dspine_jax.speculative.propose import (CandidateProposal, Proposal, Spliced
                                             walk_chain_with_tail, walk_vocabulary_chain)
 
 PROPOSAL_IMPLS = PROPOSALS
-# vocab_top_k's own implementation names are taken as they are (benchmarks time each).
+# vocab_top_k's own implementation names are taken as they are (benchmarks time each), and
+# always compiled: "pallas_tpu" lowers the Mosaic TPU kernel from any host (what
+# `dspine_benchmarks.lower_for_tpu` checks), though only a TPU runs it.
 KERNEL_IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_gpu", "pallas_tpu")
 
 
@@ -49,18 +51,18 @@ def check_impl(impl: str) -> None:
 def kernel_call(kernel: str) -> tuple[str, bool]:
     """vocab_top_k's (implementation, interpret) for a proposal kernel name. "pallas" is the
     platform's Pallas kernel, or the GPU kernel in interpret mode where none compiles (the
-    CPU: slow, for tests), as the pallas attention backend does."""
+    CPU: slow, for tests), as the pallas attention backend does. "pallas_gpu" and
+    "pallas_tpu" name one platform's kernel, compiled whatever the host (a program lowered
+    for that platform holds it)."""
     from pallas_kernels.platform import backend_implementation
 
     if kernel not in KERNEL_IMPLEMENTATIONS:
         raise ValueError(f"proposal kernel must be one of {KERNEL_IMPLEMENTATIONS}, "
                          f"got {kernel!r}")
-    if kernel in ("auto", "xla"):
+    if kernel != "pallas":
         return kernel, False
     native = backend_implementation()
-    if kernel == "pallas":
-        kernel = native if native != "xla" else "pallas_gpu"
-    return kernel, kernel != native
+    return (native, False) if native != "xla" else ("pallas_gpu", True)
 
 
 class MarginalProposer:

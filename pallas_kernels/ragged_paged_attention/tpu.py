@@ -1,7 +1,8 @@
 """Ragged paged attention as a Mosaic TPU kernel (`jax.experimental.pallas.tpu`).
 
 B batch rows, T query tokens, N query heads, K kv heads, G = N // K, H head dim, PS page
-size, PPS pages per row, M = T * G packed query rows.
+size, PPS pages per row, M = T * G packed query rows, BM query rows per tile, QT = ceil(M /
+BM) query tiles.
 
 Why not JAX's shipped `jax.experimental.pallas.ops.tpu.ragged_paged_attention`: it reads
 one combined pool [P, PS, 2K, H] with K and V interleaved (ours keeps separate k_pages /
@@ -11,19 +12,24 @@ DFlash's bidirectional block after a context cannot run on it. This kernel does 
 over our layout.
 
 The kernel. Scalar prefetch brings page_table (flattened), kv_lens and q_lens into SMEM;
-the grid is (B, PPS) and step (b, j) receives page page_table[b, j] of both pools by a DMA
-that the Pallas pipeline issues from the BlockSpec's index map (double-buffered, so page
-j + 1 is in flight while page j is used). Past the row's last valid page the index map
+the grid is (B, QT, PPS) and step (b, r, j) takes query tile r of row b and receives page
+page_table[b, j] of both pools by a DMA that the Pallas pipeline issues from the
+BlockSpec's index map (double-buffered, so page j + 1 is in flight while page j is used).
+Query tiles of at most BM = 256 rows bound the VMEM a long prefill chunk needs (the
+accumulator and running max/sum are [K, BM, 128-lane] float32): a 512-token chunk of a
+G = 4 model packs 2,048 rows, 8 tiles. Past the row's last valid page the index map
 repeats that page, so no DMA is issued and the body is skipped (pl.when): pages outside
 the row's first ceil(kv_len / PS) table entries are never fetched. (A row with kv_len 0
 fetches the pool's page 0 once and uses nothing of it.) The body runs an online softmax
-for each kv head over the G x T queries packed in M (row m = t * G + g), scores in f32;
+for each kv head over the tile's packed queries (row m = t * G + g), scores in f32;
 slots of the last page past kv_len are masked and zeroed before use. The new tokens are
 written first by an XLA scatter into the (donated) pools.
 
-Not yet run on a TPU: it runs on the CPU in TPU interpret mode (interpret=True). Tuning
-left open: one page per grid step is small for PS = 16; fetching several pages per step
-needs hand-written DMAs (make_async_copy per page) as in the shipped kernel.
+Tuning left open (never run on a TPU): one page per grid step is small for PS = 16;
+fetching several pages per step needs hand-written DMAs (make_async_copy per page) as in
+the shipped kernel; a causal query tile still visits the pages after its last query (they
+are masked, not skipped). Runs on the CPU in TPU interpret mode (interpret=True), and
+lowers to Mosaic for the TPU platform on any host (`dspine_benchmarks.lower_for_tpu`).
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from .common import OP, MASK_VALUE, default_scale, pack_queries, unpack_outputs, write_new_tokens
 
-MAX_PACKED_ROWS = 512     # T * G: the f32 accumulator [K, M, H] lives in VMEM
+MAX_QUERY_ROWS = 256      # BM: packed query rows per grid step (VMEM scratch [K, BM, *])
 LANES = 128
 
 
@@ -48,7 +54,7 @@ def _kernel(page_table_ref, kv_lens_ref, q_lens_ref,          # scalar prefetch 
             m_sc, l_sc, acc_sc,                                # scratch
             *, page_size, kv_heads, pages_per_seq, causal, scale, precision):
     b = pl.program_id(0)
-    j = pl.program_id(1)
+    j = pl.program_id(2)
     kv_len = kv_lens_ref[b]
     ctx = kv_len - q_lens_ref[b]
 
@@ -97,25 +103,32 @@ def _kernel(page_table_ref, kv_lens_ref, q_lens_ref,          # scalar prefetch 
 
 
 def ragged_paged_attention_tpu(q, new_k, new_v, k_pages, v_pages, page_table, kv_lens,
-                               q_lens, *, mask="causal", sm_scale=None, interpret=False):
+                               q_lens, *, mask="causal", sm_scale=None, interpret=False,
+                               block_m=None):
+    """block_m: packed query rows per tile (default: all M, or MAX_QUERY_ROWS when M is
+    larger); a tile shorter than M must be a multiple of 8 (the TPU's sublanes)."""
     b, t, n, h = q.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
     group = n // kv_heads
     m = t * group
-    if m > MAX_PACKED_ROWS:
-        raise ValueError(f"{OP}: implementation='pallas_tpu' supports T * (N / K) <= "
-                         f"{MAX_PACKED_ROWS} query rows per kv head, got {t} * {group}")
+    block_m = block_m or (m if m <= MAX_QUERY_ROWS else MAX_QUERY_ROWS)
+    if block_m < m and block_m % 8:
+        raise ValueError(f"{OP}: a query tile shorter than T * G = {m} rows must be a "
+                         f"multiple of 8, got block_m={block_m}")
+    q_tiles = -(-m // block_m)
+    m_pad = q_tiles * block_m
     pages_per_seq = page_table.shape[1]
 
     k_pages, v_pages = write_new_tokens(new_k, new_v, k_pages, v_pages, page_table,
                                         kv_lens, q_lens)
-    qp = pack_queries(q, kv_heads)                                   # [B, K, M, H]
-    q_tok = (jnp.arange(m, dtype=jnp.int32) // group)[:, None]       # [M, 1]
+    # [B, K, M_pad, H]; rows past M are padding (their token index is past T: dropped)
+    qp = jnp.pad(pack_queries(q, kv_heads), ((0, 0), (0, 0), (0, m_pad - m), (0, 0)))
+    q_tok = (jnp.arange(m_pad, dtype=jnp.int32) // group)[:, None]   # [M_pad, 1]
     # [P, PS * K, H]: page rows slot-major, kv head kh of slot s at row s * K + kh
     k_rows = k_pages.reshape(num_pages, page_size * kv_heads, h)
     v_rows = v_pages.reshape(num_pages, page_size * kv_heads, h)
 
-    def page_map(i, j, pt, kvl, ql):
+    def page_map(i, r, j, pt, kvl, ql):
         last = jnp.maximum(pl.cdiv(kvl[i], page_size) - 1, 0)
         page = pt[i * pages_per_seq + jnp.minimum(j, last)]
         return jnp.clip(page, 0, num_pages - 1), 0, 0
@@ -126,26 +139,28 @@ def ragged_paged_attention_tpu(q, new_k, new_v, k_pages, v_pages, page_table, kv
         precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
-        grid=(b, pages_per_seq),
+        grid=(b, q_tiles, pages_per_seq),
         in_specs=[
-            pl.BlockSpec((m, 1), lambda i, j, *_: (0, 0)),
-            pl.BlockSpec((None, kv_heads, m, h), lambda i, j, *_: (i, 0, 0, 0)),
+            pl.BlockSpec((block_m, 1), lambda i, r, j, *_: (r, 0)),
+            pl.BlockSpec((None, kv_heads, block_m, h), lambda i, r, j, *_: (i, 0, r, 0)),
             pl.BlockSpec((None, page_size * kv_heads, h), page_map),
             pl.BlockSpec((None, page_size * kv_heads, h), page_map),
         ],
-        out_specs=pl.BlockSpec((None, kv_heads, m, h), lambda i, j, *_: (i, 0, 0, 0)),
+        out_specs=pl.BlockSpec((None, kv_heads, block_m, h),
+                               lambda i, r, j, *_: (i, 0, r, 0)),
         scratch_shapes=[
-            pltpu.VMEM((kv_heads, m, LANES), jnp.float32),
-            pltpu.VMEM((kv_heads, m, LANES), jnp.float32),
-            pltpu.VMEM((kv_heads, m, h), jnp.float32),
+            pltpu.VMEM((kv_heads, block_m, LANES), jnp.float32),
+            pltpu.VMEM((kv_heads, block_m, LANES), jnp.float32),
+            pltpu.VMEM((kv_heads, block_m, h), jnp.float32),
         ],
     )
     out = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct((b, kv_heads, m, h), jnp.float32),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        out_shape=jax.ShapeDtypeStruct((b, kv_heads, m_pad, h), jnp.float32),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="ragged_paged_attention",
     )(page_table.reshape(-1), kv_lens, q_lens, q_tok, qp, k_rows, v_rows)
-    return unpack_outputs(out, q.shape, q_lens, q.dtype), k_pages, v_pages
+    return unpack_outputs(out[:, :, :m], q.shape, q_lens, q.dtype), k_pages, v_pages
