@@ -236,8 +236,11 @@ def export(
     target: str = typer.Option(DEFAULT_TARGET, help="The drafter's target: a DSpine "
                                "export includes the [V, r] code table built from its lm_head."),
     code_table: bool = typer.Option(True, "--code-table/--no-code-table",
-                                    help="DSpine: write the [V, r] table (readers of the "
-                                    "reference layout want it; this project derives it)."),
+                                    help="DSpine: the [V, r] code table in place of the "
+                                    "whitening map (the reference layout, which "
+                                    "SpecForge's DSpineDraftModel loads strictly); "
+                                    "--no-code-table keeps the map (only this project's "
+                                    "loaders read it)."),
 ):
     """Export a drafter in the layout the DFlash reference implementations read."""
     try:
@@ -252,6 +255,9 @@ def export(
         model = load_drafter(source, dtype=jnp.float32)
         model.config.check_reference_layout()
         table = None
+        if model.config.dspine is not None and not code_table and model.has_code_table:
+            raise InputError(f"{drafter} holds its transfer space as the code table only; "
+                             "--no-code-table needs the whitening map")
         if model.config.dspine is not None and code_table:
             loaded = load_target(target, dtype="f32", with_tokenizer=False)  # lm_head only
             model.config.check_target(loaded.config)
