@@ -272,7 +272,7 @@ def export(
 @app.command(short_help="Check the PyTorch port (dspine_torch) against JAX.")
 def parity(
     target: str = typer.Option(..., "--target", metavar="NAME|PATH",
-                               help="HF checkpoint folder (or built-in name that is one)."),
+                               help="Built-in name, HF checkpoint folder or .gguf file."),
     drafter: str = typer.Option(..., "--drafter", metavar="NAME|PATH"),
     prompts: Optional[Path] = typer.Option(
         None, "--prompts", metavar="FILE.jsonl",

@@ -123,3 +123,26 @@ def test_speculative_greedy_equals_ar_with_an_untrained_drafter(ours, kind):
         prompts, max_new_tokens=20)
     for w, g in zip(want.generations, got.generations):
         assert g.tokens == w.tokens
+
+
+def test_the_readme_parity_check_runs_on_the_builtin_pair(tmp_path):
+    """The README's `dspine parity` line on the built-in target and DSpine drafter (the
+    PyTorch side reads the GGUF with transformers), on one of its default prompts and 8
+    new tokens instead of three and 32 (minutes on 2 cores)."""
+    import shlex
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from dspine_jax.cli import app
+    from dspine_jax.parity import DEFAULT_TEXTS
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    [line] = [ln for ln in readme.splitlines()
+              if ln.startswith("dspine parity --target smollm2-135m-instruct")]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": DEFAULT_TEXTS[0]}) + "\n")
+    args = shlex.split(line)[1:] + ["--prompts", str(prompts), "--max-new-tokens", "8"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "transition" in result.output and "all stages within tolerance" in result.output

@@ -417,6 +417,35 @@ def test_parity_comparison_fails_on_drift():
     assert failed == {"draft_logits", "tokens", "token_disagreement"}
 
 
+def test_near_tied_candidates_in_another_order_agree():
+    """Two candidates whose draft logits are near-equal may come out of top-C in either
+    order: the same set, with the transition scores and q permuted alike, is parity
+    (the real SmolLM2 pair swapped ranks 12 and 13 of a slot, logits 1.4e-5 apart); a
+    different candidate, or a table not permuted with its candidates, is not."""
+    from dspine_jax.parity import compare
+
+    reference = unpack(golden("dspine"), 0)
+    slot, (i, j) = 2, (1, 2)
+
+    def swapped(record):
+        out = {k: np.array(v) for k, v in record.items()}
+        out["candidates"][slot, [i, j]] = out["candidates"][slot, [j, i]]
+        for name in ("transition", "q"):
+            out[name][slot][:, [i, j]] = out[name][slot][:, [j, i]]   # this slot's columns
+            out[name][slot + 1][[i, j]] = out[name][slot + 1][[j, i]]  # the next one's rows
+        return out
+
+    def failed(other):
+        return {r.stage for r in compare(reference, other, q_temperature=0.8) if not r.ok}
+
+    assert failed(swapped(reference)) == set()
+    unpermuted = {**reference, "candidates": swapped(reference)["candidates"]}
+    assert "transition" in failed(unpermuted)
+    other = {k: np.array(v) for k, v in reference.items()}
+    other["candidates"][slot, i] = max(other["candidates"][slot]) + 1
+    assert "candidates" in failed(other)
+
+
 def test_f32_tolerance_grows_with_the_values():
     """Float32 rounding is relative: features of magnitude 2.5e4 (SmolLM2's outlier
     dimension) differ by ulps of 0.002 between two correct implementations, which the
