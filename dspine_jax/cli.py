@@ -27,6 +27,20 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=N
 ENGINES = ("batch", "slots")   # generate: static batches, or continuous batching over slots
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from dspine_jax import __version__
+
+        typer.echo(f"dspine-jax {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_print_version,
+                                       is_eager=True, help="Print the version and exit.")):
+    pass
+
+
 def _fail(error: Exception) -> None:
     typer.echo(f"error: {error}", err=True)
     raise typer.Exit(code=2)
@@ -186,15 +200,22 @@ def evaluate_command(
 
 @app.command()
 def info(target: str = typer.Option(DEFAULT_TARGET, help="Built-in name or path.")):
-    """Show a target's configuration and where its files are."""
+    """Show a target's configuration and where its files are, and the built-in drafters."""
     try:
         from dspine_jax.checkpoints import load_target
+        from dspine_jax.drafters.checkpoint import read_drafter_config
+        from dspine_jax.registry import builtin_drafters
 
         loaded = load_target(target, dtype="f32")
+        drafters = []
+        for d in builtin_drafters():
+            config = read_drafter_config(Path(d["folder"]))
+            drafters.append({**d, "layers": config.num_hidden_layers,
+                             "block_size": config.block_size})
     except DSpineError as e:
         _fail(e)
     print(json.dumps({"source": str(loaded.source), "num_params": loaded.config.num_params(),
-                      **loaded.config.to_hf()}, indent=2))
+                      **loaded.config.to_hf(), "built_in_drafters": drafters}, indent=2))
 
 
 @app.command("init-drafter", short_help="Write an untrained drafter for a target.")

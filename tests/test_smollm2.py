@@ -146,3 +146,15 @@ def test_the_readme_parity_check_runs_on_the_builtin_pair(tmp_path):
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "transition" in result.output and "all stages within tolerance" in result.output
+
+
+def test_decode_complete_drops_a_cut_character(ours):
+    """SmolLM2's tokens for "日本語 🙂" end inside 日 and inside 語 on the way: cut there,
+    the text ends on the last whole character; a U+FFFD of its own stays."""
+    tok = ours.tokenizer
+    ids = tok.encode("日本語 🙂")
+    assert [tok.decode(ids[:n]).endswith("\ufffd") for n in range(1, 8)] == \
+        [True, False, False, True, True, False, False]
+    assert [tok.decode_complete(ids[:n]) for n in range(1, 8)] == \
+        ["", "日", "日本", "日本", "日本", "日本語", "日本語 🙂"]
+    assert tok.decode_complete(tok.encode("a\ufffd")) == "a\ufffd"
