@@ -27,6 +27,20 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=N
 ENGINES = ("batch", "slots")   # generate: static batches, or continuous batching over slots
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from dspine_jax import __version__
+
+        typer.echo(f"dspine-jax {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_print_version,
+                                       is_eager=True, help="Print the version and exit.")):
+    pass
+
+
 def _fail(error: Exception) -> None:
     typer.echo(f"error: {error}", err=True)
     raise typer.Exit(code=2)
@@ -186,15 +200,22 @@ def evaluate_command(
 
 @app.command()
 def info(target: str = typer.Option(DEFAULT_TARGET, help="Built-in name or path.")):
-    """Show a target's configuration and where its files are."""
+    """Show a target's configuration and where its files are, and the built-in drafters."""
     try:
         from dspine_jax.checkpoints import load_target
+        from dspine_jax.drafters.checkpoint import read_drafter_config
+        from dspine_jax.registry import builtin_drafters
 
         loaded = load_target(target, dtype="f32")
+        drafters = []
+        for d in builtin_drafters():
+            config = read_drafter_config(Path(d["folder"]))
+            drafters.append({**d, "layers": config.num_hidden_layers,
+                             "block_size": config.block_size})
     except DSpineError as e:
         _fail(e)
     print(json.dumps({"source": str(loaded.source), "num_params": loaded.config.num_params(),
-                      **loaded.config.to_hf()}, indent=2))
+                      **loaded.config.to_hf(), "built_in_drafters": drafters}, indent=2))
 
 
 @app.command("init-drafter", short_help="Write an untrained drafter for a target.")
@@ -236,8 +257,11 @@ def export(
     target: str = typer.Option(DEFAULT_TARGET, help="The drafter's target: a DSpine "
                                "export includes the [V, r] code table built from its lm_head."),
     code_table: bool = typer.Option(True, "--code-table/--no-code-table",
-                                    help="DSpine: write the [V, r] table (readers of the "
-                                    "reference layout want it; this project derives it)."),
+                                    help="DSpine: the [V, r] code table in place of the "
+                                    "whitening map (the reference layout, which "
+                                    "SpecForge's DSpineDraftModel loads strictly); "
+                                    "--no-code-table keeps the map (only this project's "
+                                    "loaders read it)."),
 ):
     """Export a drafter in the layout the DFlash reference implementations read."""
     try:
@@ -252,6 +276,9 @@ def export(
         model = load_drafter(source, dtype=jnp.float32)
         model.config.check_reference_layout()
         table = None
+        if model.config.dspine is not None and not code_table and model.has_code_table:
+            raise InputError(f"{drafter} holds its transfer space as the code table only; "
+                             "--no-code-table needs the whitening map")
         if model.config.dspine is not None and code_table:
             loaded = load_target(target, dtype="f32", with_tokenizer=False)  # lm_head only
             model.config.check_target(loaded.config)
@@ -266,7 +293,7 @@ def export(
 @app.command(short_help="Check the PyTorch port (dspine_torch) against JAX.")
 def parity(
     target: str = typer.Option(..., "--target", metavar="NAME|PATH",
-                               help="HF checkpoint folder (or built-in name that is one)."),
+                               help="Built-in name, HF checkpoint folder or .gguf file."),
     drafter: str = typer.Option(..., "--drafter", metavar="NAME|PATH"),
     prompts: Optional[Path] = typer.Option(
         None, "--prompts", metavar="FILE.jsonl",

@@ -131,10 +131,33 @@ def _padded_mismatches(a: np.ndarray, b: np.ndarray) -> int:
     return int(np.sum(a[:n] != b[:n])) + abs(len(a) - len(b))
 
 
+def in_id_order(record: dict) -> dict:
+    """A DSpine record with each slot's candidates in id order, and the transition scores
+    and q [K-1, C, C] permuted to match (rows: the previous slot's candidates, slot 0's
+    rows all the anchor; columns: the slot's own). The candidates are the top-C set of the
+    draft logits, whose order two near-equal logits may swap between frameworks; what is
+    drafted (draft_tokens, tokens) is compared as it is."""
+    if "candidates" not in record:
+        return record
+    candidates = np.asarray(record["candidates"])                     # [S, C]
+    s, c = candidates.shape
+    order = np.argsort(candidates, -1, kind="stable")
+    rows = np.concatenate([np.arange(c)[None], order[:-1]], 0)        # [S, C]
+    out = dict(record, candidates=np.take_along_axis(candidates, order, -1))
+    for name in ("transition", "q"):
+        table = np.asarray(record.get(name, ()))
+        if table.shape == (s, c, c):
+            table = np.take_along_axis(table, order[:, None, :], -1)
+            out[name] = np.take_along_axis(table, rows[:, :, None], 1)
+    return out
+
+
 def distances(ours: dict, theirs: dict) -> dict[str, float]:
     """Per stage present on both sides, the distance of two stage records: max abs
-    difference (float stages; inf for different shapes), differing entries (EXACT), the
-    disagreeing fraction of drafted-slot argmaxes and of T = 0 tokens (AGREEMENT)."""
+    difference (float stages; inf for different shapes), differing entries (EXACT; each
+    slot's candidates as a set, see `in_id_order`), the disagreeing fraction of
+    drafted-slot argmaxes and of T = 0 tokens (AGREEMENT)."""
+    ours, theirs = in_id_order(ours), in_id_order(theirs)
     out = {}
     for name, a in ours.items():
         if name not in theirs:
@@ -288,28 +311,37 @@ def run_parity(target: str, drafter: str, *, prompts_file=None, temperature: flo
         from dspine_torch.stages import torch_stages
     except ImportError as e:
         raise ConfigError(f"parity needs PyTorch and transformers ({e}); install the "
-                          "test extra: pip install 'dspine-jax[test]'") from e
+                          "torch extra: pip install 'dspine-jax[torch]'") from e
     target_path = Path(resolve_target(target))
-    if not target_path.is_dir():
-        raise CheckpointError(f"{target_path}: parity needs an HF checkpoint folder (the "
-                              "PyTorch side loads it with transformers)")
+    gguf = target_path.is_file() and target_path.suffix == ".gguf"
+    if not (target_path.is_dir() or gguf):
+        raise CheckpointError(f"{target_path}: parity needs an HF checkpoint folder or a "
+                              ".gguf file (the PyTorch side loads it with transformers)")
     drafter_path = resolve_drafter(drafter)
     jdtype = resolve_dtype(dtype)
     tdtype = torch.float32 if dtype == "f32" else torch.bfloat16
+
+    def torch_target_in(torch_dtype):
+        """transformers' own load of the same file: a GGUF is dequantized by transformers
+        (which undoes llama.cpp's Q/K row permutation, as our loader does)."""
+        where = ({"pretrained_model_name_or_path": target_path.parent,
+                  "gguf_file": target_path.name} if gguf
+                 else {"pretrained_model_name_or_path": target_path})
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            **where, dtype=torch_dtype).eval()
+
     loaded = load_target(str(target_path), dtype=dtype,
-                         with_tokenizer=(target_path / "tokenizer.json").is_file())
+                         with_tokenizer=gguf or (target_path / "tokenizer.json").is_file())
     jax_drafter = load_drafter(drafter_path, dtype=jdtype)
     jax_drafter.config.check_target(loaded.config)
-    torch_target = transformers.AutoModelForCausalLM.from_pretrained(
-        target_path, dtype=tdtype).eval()
+    torch_target = torch_target_in(tdtype)
     torch_drafter = dspine_torch.load_drafter(drafter_path, dtype=tdtype)
     prompts = read_prompts(prompts_file, loaded.tokenizer, loaded.config.vocab_size)
     f32_pair = None
     if dtype == "bf16":  # each side's float32 run: its noise floor and the f32 pair
         f32_pair = (load_target(str(target_path), dtype="f32", with_tokenizer=False).model,
                     load_drafter(drafter_path, dtype=resolve_dtype("f32")),
-                    transformers.AutoModelForCausalLM.from_pretrained(
-                        target_path, dtype=torch.float32).eval(),
+                    torch_target_in(torch.float32),
                     dspine_torch.load_drafter(drafter_path, dtype=torch.float32))
     results, ok = [], True
     kw = {"max_new_tokens": max_new_tokens, "q_temperature": temperature}

@@ -137,6 +137,12 @@ BUILTIN_DRAFTERS = {  # name -> sha256 of its model.safetensors
 }
 
 
+def builtin_drafters() -> list[dict]:
+    """Each built-in drafter: its name (TARGET-KIND), target, kind and folder."""
+    return [{"name": name, "target": name.rsplit("-", 1)[0], "kind": name.rsplit("-", 1)[1],
+             "folder": str(DRAFTER_ASSETS / name)} for name in BUILTIN_DRAFTERS]
+
+
 def resolve_drafter(name_or_path: str) -> Path:
     """A built-in drafter name or a checkpoint folder -> a local folder."""
     if name_or_path in BUILTIN_DRAFTERS:

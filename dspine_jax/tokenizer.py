@@ -27,6 +27,31 @@ GGUF_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": 
 GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character -> byte: printable Latin-1 bytes are
+    themselves, the other 68 take the characters from U+0100 on, in byte order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable},
+            **{chr(0x100 + n): b for n, b in enumerate(others)}}
+
+
+BYTE_OF_CHAR = _byte_level_alphabet()
+
+
+def incomplete_utf8_tail(data: bytes) -> int:
+    """How many bytes at the end of `data` begin a UTF-8 character that has not finished
+    (0 when it ends on a character boundary, or in bytes no character could continue)."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte & 0xC0 == 0x80:            # a continuation byte: look further back
+            continue
+        need = 2 if byte & 0xE0 == 0xC0 else 3 if byte & 0xF0 == 0xE0 else \
+            4 if byte & 0xF8 == 0xF0 else 1
+        return back if back < need else 0
+    return 0
+
+
 class TextTokenizer:
     def __init__(self, tokenizer: tokenizers.Tokenizer, *, chat_template: str | None,
                  eos_token_ids: Sequence[int], bos_token: str | None = None,
@@ -45,6 +70,37 @@ class TextTokenizer:
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_complete(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """decode(ids) without a trailing incomplete UTF-8 character: an answer cut inside
+        a multibyte character (at max_new_tokens) ends before it, not in U+FFFD. The
+        decoder writes such a tail as one U+FFFD; the token bytes tell it from a U+FFFD
+        the model really wrote (bytes EF BF BD), which stays."""
+        text = self.decode(ids, skip_special_tokens=skip_special_tokens)
+        if not text.endswith("\ufffd"):
+            return text
+        data = self.token_bytes(ids, skip_special_tokens=skip_special_tokens)
+        return text[:-1] if incomplete_utf8_tail(data) else text
+
+    def token_bytes(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> bytes:
+        """The bytes the decoder joins for `ids`: byte-level BPE tokens through GPT-2's
+        byte alphabet, byte-fallback tokens (`<0xNN>`) as their byte, anything else
+        (added tokens, other vocabularies) as its UTF-8 text."""
+        special = {i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
+        byte_level = isinstance(self.tokenizer.decoder, decoders.ByteLevel)
+        out = bytearray()
+        for i in ids:
+            if skip_special_tokens and i in special:
+                continue
+            token = self.tokenizer.id_to_token(int(i)) or ""
+            if byte_level:
+                out += b"".join(bytes([BYTE_OF_CHAR[c]]) if c in BYTE_OF_CHAR
+                                else c.encode() for c in token)
+            elif len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+                out.append(int(token[3:5], 16))
+            else:
+                out += token.replace("\u2581", " ").encode()
+        return bytes(out)
 
     def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
         if not self.chat_template:

@@ -45,8 +45,11 @@ from transformers import PreTrainedModel
 
 from .configuration_dspine import DFlashDraftConfig, DSpineDraftConfig
 
-# Fixed (never trained) DSpine tensors: kept in float32 whatever the weights' dtype.
+# Fixed (never trained) DSpine tensors: kept in float32 whatever the weights' dtype. The
+# code table is in the state dict (the reference layout); the whitening map, which
+# checkpoints of the native layout hold instead, is attached by `load_drafter`.
 TRANSFER_BUFFERS = ("transfer_whiten", "transfer_mean", "transfer_codes")
+MAP_BUFFERS = ("transfer_whiten", "transfer_mean")
 
 
 # ----- building blocks --------------------------------------------------------------------
@@ -422,16 +425,26 @@ class DSpineDraftModel(DFlashDraftModel):
         super().__init__(config)
         d, r = config.hidden_size, config.transfer_rank
         self.injection = AdjacentInjection(d, r, config.message_size, config.num_hidden_layers)
-        # The transfer space (fixed, float32). Codes come from the whitening map and the
-        # target's lm_head rows when the map is present; `transfer_codes` [V, r] is the
-        # reference's table (exports carry it; checkpoints of other trainers may carry only
-        # the table). `transfer_ready` is False until a space is loaded.
-        self.register_buffer("transfer_whiten", torch.zeros(d, r, dtype=torch.float32))
-        self.register_buffer("transfer_mean", torch.zeros(d, dtype=torch.float32))
+        # The transfer space (fixed, float32): the state dict is the reference's, the
+        # code table `transfer_codes` [V, r] and `transfer_ready` (False until a space is
+        # loaded). A native checkpoint's whitening map is attached by `set_transfer_map`
+        # (not in the state dict); codes then come from it and the target's lm_head rows.
         self.register_buffer("transfer_codes",
                              torch.zeros(config.vocab_size, r, dtype=torch.float32))
         self.register_buffer("transfer_ready", torch.tensor(False))
         self.post_init()
+
+    def set_transfer_map(self, whiten: torch.Tensor, mean: torch.Tensor) -> None:
+        """Use the whitening map whiten [D, r], mean [D] for the codes (a buffer outside
+        the state dict, float32)."""
+        for name, value in zip(MAP_BUFFERS, (whiten, mean)):
+            self.register_buffer(name, value.detach().float().to(self.transfer_codes.device),
+                                 persistent=False)
+
+    @property
+    def has_transfer_map(self) -> bool:
+        """The codes come from the whitening map (else from the code table)."""
+        return "transfer_whiten" in self._buffers
 
     def _init_weights(self, module):
         super()._init_weights(module)
@@ -450,7 +463,7 @@ class DSpineDraftModel(DFlashDraftModel):
         if not bool(self.transfer_ready):
             raise RuntimeError("the DSpine transfer space is not loaded (transfer_ready is "
                                "False): load a checkpoint that carries it")
-        if bool(self.transfer_whiten.any()):
+        if self.has_transfer_map:
             rows = F.normalize(output_embedding[tokens].float(), dim=-1, eps=1e-12)
             z = (rows - self.transfer_mean.float()) @ self.transfer_whiten.float()
             c = F.normalize(z, dim=-1, eps=1e-12)
@@ -521,9 +534,10 @@ ARCHITECTURES = {"DFlashDraftModel": (DFlashDraftConfig, DFlashDraftModel),
 
 def load_drafter(folder, dtype: torch.dtype = torch.float32) -> DFlashDraftModel:
     """Build the drafter a checkpoint folder describes and fill it, refusing missing,
-    unexpected and misshapen tensors. A DSpine folder needs its transfer space: the
-    whitening map (`transfer_whiten`, `transfer_mean`) or the code table
-    (`transfer_codes`); `transfer_ready`, where present, must be True."""
+    unexpected and misshapen tensors. A DSpine folder needs its transfer space: the code
+    table (`transfer_codes`; the reference layout) or the whitening map (`transfer_whiten`,
+    `transfer_mean`; the native layout, used when present); `transfer_ready`, where
+    present, must be True."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
@@ -535,30 +549,39 @@ def load_drafter(folder, dtype: torch.dtype = torch.float32) -> DFlashDraftModel
     config = config_cls.from_dict({k: v for k, v in raw.items() if k != "auto_map"})
     model = model_cls(config)
     tensors = load_file(str(folder / "model.safetensors"))
-    expected = model.state_dict()
-    optional = set()
+    expected = dict(model.state_dict())
+    optional, transfer_map = set(), None
     if arch == "DSpineDraftModel":
-        optional = {"transfer_ready", "transfer_codes", "transfer_whiten", "transfer_mean"}
-        has_map = {"transfer_whiten", "transfer_mean"} <= set(tensors)
-        if not has_map and "transfer_codes" not in tensors:
+        optional = {"transfer_ready"}
+        if set(MAP_BUFFERS) <= set(tensors):
+            transfer_map = [tensors.pop(name) for name in MAP_BUFFERS]
+            d, r = config.hidden_size, config.transfer_rank
+            expected.update(transfer_whiten=torch.empty(d, r), transfer_mean=torch.empty(d))
+            optional.add("transfer_codes")  # older exports carried both: the map is used
+        elif "transfer_codes" not in tensors:
             raise ValueError(f"{folder}: a DSpine checkpoint needs transfer_whiten and "
                              "transfer_mean, or transfer_codes")
         if "transfer_ready" in tensors and not bool(tensors["transfer_ready"]):
             raise ValueError(f"{folder}: transfer_ready is False: the transfer space was "
                              "never built, so the codes and readouts are not usable")
-    missing = sorted(set(expected) - set(tensors) - optional)
-    unexpected = sorted(set(tensors) - set(expected))
+    present = set(tensors) | ({*MAP_BUFFERS} if transfer_map is not None else set())
+    missing = sorted(set(expected) - present - optional)
+    unexpected = sorted(present - set(expected))
     if missing or unexpected:
         raise ValueError(f"{folder}: weights and config disagree. Missing: {missing[:6]}; "
                          f"unexpected: {unexpected[:6]}")
-    for name, value in tensors.items():
+    named = dict(tensors, **dict(zip(MAP_BUFFERS, transfer_map or ())))
+    for name, value in named.items():
         if tuple(value.shape) != tuple(expected[name].shape):
             raise ValueError(f"{folder}: tensor {name} has shape {tuple(value.shape)} but the "
                              f"config implies {tuple(expected[name].shape)}")
     model.load_state_dict(tensors, strict=False)
     if arch == "DSpineDraftModel":
         model.transfer_ready.fill_(True)
+        if transfer_map is not None:
+            model.set_transfer_map(*transfer_map)
     model.to(dtype)
     for name in TRANSFER_BUFFERS if arch == "DSpineDraftModel" else ():
-        setattr(model, name, getattr(model, name).float())
+        if name in model._buffers:
+            setattr(model, name, model._buffers[name].float())
     return model.eval()

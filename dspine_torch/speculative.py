@@ -185,7 +185,7 @@ def verify(draft_tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
 def chain_head(drafter: DSpineDraftModel) -> dspine_proposal.ChainHead:
     """The tensors of a DSpine drafter's decoding head, for the proposal kernels."""
     inj, last = drafter.injection, len(drafter.layers) - 1
-    has_map = bool(drafter.transfer_whiten.any())
+    has_map = drafter.has_transfer_map
     return dspine_proposal.ChainHead(
         readout=inj.readouts[last].weight, receiver_gate=inj.receiver_gate.weight,
         predecessor_gate=inj.predecessor_gate.weight, bias=inj.bias,

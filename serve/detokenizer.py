@@ -3,7 +3,9 @@
 Text is released only when it is final: never the tail of an incomplete UTF-8 character
 (decoded as U+FFFD), and never text that could still turn out to be the start of a stop
 string (the last len(longest stop) - 1 characters wait until the next tokens or the end).
-The matched stop string is not part of the output (OpenAI's behaviour).
+At the end, a character the last tokens left incomplete (an answer cut at max_tokens) is
+dropped, not sent as U+FFFD (`TextTokenizer.decode_complete`). The matched stop string is
+not part of the output (OpenAI's behaviour).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class IncrementalDetokenizer:
         it when `last`)."""
         decode = self.tokenizer.decode
         before = decode(self.ids[self.prefix_offset:self.read_offset])
-        now = decode(self.ids[self.prefix_offset:])
+        now = (self.tokenizer.decode_complete if last else decode)(self.ids[self.prefix_offset:])
         if len(now) > len(before) and (last or not now.endswith("\ufffd")):
             self.decoded += now[len(before):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)

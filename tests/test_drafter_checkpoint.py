@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -159,21 +161,160 @@ def test_bad_drafter_checkpoints_are_named(tmp_path, target):
         DrafterConfig.from_hf({"architectures": ["LlamaForCausalLM"]})
 
 
-def test_reference_layout_carries_the_code_table(tmp_path, target):
-    """The export adds `transfer_codes` [V, r] (the reference layout); loading ignores it
-    because the whitening map and the target's lm_head define the same codes."""
+def test_reference_layout_folds_the_map_into_the_code_table(tmp_path, target):
+    """With a code table the whitening map gives way to `transfer_codes` [V, r] float32
+    (the reference layout); the drafter read back from the table computes what the map
+    did, in bf16 too (the table stays float32)."""
     from tests.test_losses import reference_codes
 
     drafter = make(target, "dspine")
     e_out = target.output_embedding()
-    save_drafter(drafter, tmp_path, code_table=drafter.code_table(e_out))
-    assert names(tmp_path) == set(DFLASH_NAMES) | set(DSPINE_NAMES) | {"transfer_codes"}
+    save_drafter(drafter, tmp_path, dtype=jnp.bfloat16, code_table=drafter.code_table(e_out))
+    assert names(tmp_path) == (set(DFLASH_NAMES) | set(DSPINE_NAMES) | {"transfer_codes"}) \
+        - {"transfer_whiten", "transfer_mean"}
     with safe_open(str(tmp_path / "model.safetensors"), framework="numpy") as f:
         table = f.get_tensor("transfer_codes")
+    assert table.dtype == np.float32
     np.testing.assert_allclose(table, reference_codes(drafter, e_out, np.arange(97)),
-                               atol=1e-5)
+                               atol=1e-6)
     back = load_drafter(tmp_path)
+    assert back.has_code_table and not drafter.has_code_table
+    map_side = load_drafter(save_drafter(drafter, tmp_path / "map", dtype=jnp.bfloat16))
     feats = features(target, drafter, TOKENS)
     args = (TOKENS, feats, ANCHORS, target.input_embedding(), e_out)
-    np.testing.assert_array_equal(back.forward_train(*args).logits,
-                                  drafter.forward_train(*args).logits)
+    np.testing.assert_allclose(back.forward_train(*args).logits,
+                               map_side.forward_train(*args).logits, rtol=0, atol=1e-6)
+
+
+# ----- SpecForge's DSpineDraftModel -----------------------------------------------------------
+SPECFORGE = Path(__file__).parent / "fixtures" / "specforge_dspine_state_dict.json"
+
+
+def specforge_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """SpecForge's DSpineDraftModel state dict for a config.json: name -> shape, from the
+    fixture's names and shape formulas."""
+    spine = config["dspine_config"]
+    symbols = {**{k: v for k, v in config.items() if isinstance(v, int)},
+               "F": len(config["dflash_config"]["target_layer_ids"]),
+               "r": spine["transfer_rank"], "m": spine["message_size"]}
+    shapes = {}
+    for name, dims in json.loads(SPECFORGE.read_text())["tensors"].items():
+        shape = tuple(eval(d, {"__builtins__": {}}, symbols) for d in dims)  # noqa: S307
+        for layer in range(config["num_hidden_layers"]) if "{l}" in name else [None]:
+            shapes[name.format(l=layer)] = shape
+    return shapes
+
+
+def test_dspine_export_is_specforge_state_dict(tmp_path):
+    """`dspine export` of a DSpine drafter holds exactly the tensors of SpecForge's
+    DSpineDraftModel, with its shapes: a strict load_state_dict finds nothing missing
+    and nothing unexpected. The codes are the source drafter's whitening map over the
+    target's lm_head, and the export decodes as the source does."""
+    from dspine_jax.checkpoints import load_target
+    from tests.test_losses import reference_codes
+    from tests.torch_port_golden import FIXTURES
+
+    out = tmp_path / "export"
+    result = CliRunner().invoke(app, ["export", "--drafter", str(FIXTURES / "dspine"), "--out",
+                                      str(out), "--target", str(FIXTURES / "target")])
+    assert result.exit_code == 0, result.output
+    config = json.loads((out / "config.json").read_text())
+    with safe_open(str(out / "model.safetensors"), framework="numpy") as f:
+        exported = {name: f.get_tensor(name) for name in f.keys()}
+    assert {n: t.shape for n, t in exported.items()} == specforge_shapes(config)
+    assert exported["transfer_codes"].dtype == np.float32
+    assert exported["transfer_ready"].dtype == np.bool_ and exported["transfer_ready"]
+    assert exported["fc.weight"].dtype.name == "bfloat16"
+
+    source = load_drafter(FIXTURES / "dspine")
+    e_out = load_target(FIXTURES / "target", dtype="f32",
+                        with_tokenizer=False).model.output_embedding()
+    vocab = config["vocab_size"]
+    np.testing.assert_allclose(exported["transfer_codes"],
+                               reference_codes(source, e_out, np.arange(vocab)), atol=1e-6)
+    back = load_drafter(out)
+    tokens = jnp.arange(vocab)
+    np.testing.assert_allclose(back.code(tokens, e_out), source.code(tokens, e_out),
+                               rtol=0, atol=1e-5)
+
+
+def write_specforge_checkpoint(drafter, e_out, folder):
+    """`drafter` as SpecForge saves a DSpineDraftModel: the fixture's tensor names (no
+    whitening map), and a config.json as its Qwen3Config writes it (all of SpecForge's
+    dspine_config fields, layer_types, rope_parameters, no dspine_jax_switches)."""
+    from safetensors.numpy import save_file
+
+    from dspine_jax.drafters.checkpoint import drafter_tensors
+
+    config = drafter.config.to_hf()
+    theirs = drafter_tensors(drafter)
+    theirs.update(transfer_codes=drafter.code_table(e_out), transfer_ready=np.asarray(True))
+    save_file({name: np.asarray(theirs[name]) for name in specforge_shapes(config)},
+              str(folder / "model.safetensors"))
+    del config["dspine_jax_switches"], config["rope_theta"], config["rope_scaling"]
+    config["dspine_config"].update(
+        ce_weight=0.1, alignment_weight=0.5, alignment_warmup_steps=146, replacement_layers=3,
+        replacement_probability=0.5, replacement_hold_ratio=1 / 6, replacement_end_ratio=1 / 3,
+        candidate_mass_threshold=1e-4)
+    config.update(layer_types=["full_attention"] * drafter.config.num_hidden_layers,
+                  rope_parameters={"rope_theta": drafter.config.rope_theta,
+                                   "rope_type": "default"},
+                  use_sliding_window=False, sliding_window=None, dtype="float32")
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_specforge_checkpoint_round_trips(tmp_path, target):
+    """A SpecForge-layout DSpine checkpoint reads back with load_drafter (as a code table)
+    and gives the logits, transition scores and proposals the drafter it came from gives."""
+    from dspine_jax.sampling import SamplingParams
+
+    drafter = make(target, "dspine")
+    e_in, e_out = target.input_embedding(), target.output_embedding()
+    write_specforge_checkpoint(drafter, e_out, tmp_path)
+    back = load_drafter(tmp_path)
+    assert back.has_code_table and back.config == drafter.config
+    feats = features(target, drafter, TOKENS)
+    args = (TOKENS, feats, ANCHORS, e_in, e_out)
+    np.testing.assert_allclose(back.forward_train(*args).logits,
+                               drafter.forward_train(*args).logits, rtol=0, atol=1e-5)
+
+    from pallas_kernels.dspine_proposal import transition_table
+
+    anchor = TOKENS[:, 5]
+    runs = []
+    for model in (drafter, back):
+        ctx = model.extend_context(model.create_context(2, 32), feats, jnp.asarray([5, 5]))
+        out = model.draft_block(anchor, ctx, e_in, e_out)
+        proposer = model.proposer("sparse", "xla")
+        greedy = proposer.propose(out, anchor, e_out, SamplingParams.create(2),
+                                  jax.random.key(0))
+        sampled = proposer.propose(out, anchor, e_out, SamplingParams.create(2, 1.0),
+                                   jax.random.key(0))
+        # Every candidate given every candidate, through the head and the kernels' reference.
+        pre, cands = out.pre_injection[:, 0, 1:], greedy.candidates
+        rows = jnp.take(e_out, cands, axis=0)
+        runs.append({"tokens": greedy.tokens, "candidates": cands, "q": sampled.q,
+                     "head": model.transition_scores(pre, cands, rows, e_out),
+                     "kernel": transition_table(pre, cands, rows, e_out,
+                                                proposer.transition_weights(), 1e-6)})
+    for name in ("tokens", "candidates"):
+        np.testing.assert_array_equal(runs[1][name], runs[0][name], err_msg=name)
+    for name in ("q", "head", "kernel"):
+        np.testing.assert_allclose(runs[1][name], runs[0][name], rtol=0, atol=1e-5,
+                                   err_msg=name)
+
+
+def test_a_dspine_checkpoint_without_a_transfer_space_is_named(tmp_path, target):
+    from safetensors.numpy import load_file, save_file
+
+    save_drafter(make(target, "dspine"), tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    del tensors["transfer_whiten"], tensors["transfer_mean"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="needs its transfer space"):
+        load_drafter(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["layer_types"] = ["sliding_attention", "full_attention"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="only full-attention draft layers"):
+        load_drafter(tmp_path)

@@ -51,6 +51,15 @@ def test_eval_reports_every_method(tiny_llama_dir, tmp_path):
     # Lossless decoding: every method generates exactly the same number of tokens.
     assert row["ar"]["tokens"] == row["dflash"]["tokens"] == row["dspine"]["tokens"] > 0
     assert all(1.0 <= r["accept_length"] <= 4 for r in row.values())
+    # Speedup: each method's tokens/s (tokens over decode seconds) over AR's; one
+    # benchmark, so the mean row is that benchmark's row.
+    ar_rate = row["ar"]["tokens"] / row["ar"]["seconds"]
+    for label, result in row.items():
+        rate = result["tokens"] / result["seconds"]
+        assert result["tokens_per_second"] == pytest.approx(rate, rel=1e-12)
+        assert result["speedup"] == pytest.approx(rate / ar_rate, rel=1e-12)
+        for key in ("accept_length", "tokens_per_second", "speedup"):
+            assert report["mean"][label][key] == pytest.approx(result[key], rel=1e-12)
     assert "| mtbench |" in (tmp_path / "eval" / "results.md").read_text()
     assert (tmp_path / "eval" / "acceptance.png").stat().st_size > 10_000
 
@@ -82,3 +91,65 @@ def test_drafter_columns_are_unambiguous():
     # The same run twice still gives two columns.
     assert drafter_labels(["dspine", "dspine"], ["r/drafter", "r/drafter"]) == \
         ["dspine:r", "dspine:r'"]
+
+
+# (tokens, decode seconds, tau) per benchmark and method: AR at 100-140 tokens/s.
+SYNTHETIC = {"math500": {"ar": (640, 6.4, 1.0), "dflash": (640, 3.2, 2.5),
+                         "dspine": (640, 2.0, 3.5)},
+             "humaneval": {"ar": (512, 4.0, 1.0), "dflash": (512, 4.0, 1.5),
+                           "dspine": (512, 1.6, 4.0)},
+             "mtbench": {"ar": (300, 2.5, 1.0), "dflash": (300, 3.0, 1.2),
+                         "dspine": (300, 2.0, 2.0)}}
+
+
+def test_eval_mean_row_and_speedups_recompute(tiny_llama_dir, tiny_dspine_dir, tmp_path,
+                                              monkeypatch):
+    """The mean row and every speedup against values recomputed from the per-benchmark
+    results: speedup = tokens/s over AR's on the same benchmark; the mean row averages
+    each benchmark's tau, tokens/s and speedup (unweighted, as the papers report)."""
+    from dspine_jax.evaluation import run
+
+    made = CliRunner().invoke(app, ["init-drafter", "--target", str(tiny_llama_dir), "--kind",
+                                    "dflash", "--layers", "1", "--block-size", "4",
+                                    "--mask-token-id", "5", "--out", str(tmp_path / "dflash")])
+    assert made.exit_code == 0, made.output
+    order = iter(SYNTHETIC)
+
+    def fake_benchmark(pipes, prompts, **options):
+        numbers = SYNTHETIC[next(order)]
+        assert set(pipes) == set(numbers)
+        return {label: {"prompts": 4, "skipped_too_long": 0, "tokens": t, "seconds": sec,
+                        "compile_seconds": 0.0, "tokens_per_second": t / sec,
+                        "accept_length": tau}
+                for label, (t, sec, tau) in numbers.items()}
+
+    monkeypatch.setattr(run, "run_benchmark", fake_benchmark)
+    report = run.evaluate(str(tiny_llama_dir), [str(tmp_path / "dflash"), str(tiny_dspine_dir)],
+                          list(SYNTHETIC), tmp_path / "eval", limit=4)
+    assert report == json.loads((tmp_path / "eval" / "results.json").read_text())
+    for name, numbers in SYNTHETIC.items():
+        ar_tokens, ar_seconds, _ = numbers["ar"]
+        for label, (tokens, seconds, _) in numbers.items():
+            want = (tokens / seconds) / (ar_tokens / ar_seconds)
+            assert report["benchmarks"][name][label]["speedup"] == pytest.approx(want)
+    assert report["benchmarks"]["humaneval"]["dspine"]["speedup"] == pytest.approx(2.5)
+    means = {label: {"accept_length": sum(SYNTHETIC[b][label][2] for b in SYNTHETIC) / 3,
+                     "tokens_per_second": sum(SYNTHETIC[b][label][0] / SYNTHETIC[b][label][1]
+                                              for b in SYNTHETIC) / 3,
+                     "speedup": sum(report["benchmarks"][b][label]["speedup"]
+                                    for b in SYNTHETIC) / 3}
+             for label in ("ar", "dflash", "dspine")}
+    assert report["mean"].keys() == means.keys()
+    for label, want in means.items():
+        for key, value in want.items():
+            assert report["mean"][label][key] == pytest.approx(value), (label, key)
+    # dspine: tau (3.5 + 4 + 2) / 3, tokens/s (320 + 320 + 150) / 3, speedup (3.2 + 2.5 + 1.25) / 3
+    dspine = report["mean"]["dspine"]
+    assert (round(dspine["accept_length"], 4), round(dspine["tokens_per_second"], 4),
+            round(dspine["speedup"], 4)) == (3.1667, 263.3333, 2.3167)
+    mean_line = [line for line in (tmp_path / "eval" / "results.md").read_text().splitlines()
+                 if line.startswith("| **mean** |")]
+    # AR 100, 128, 120 tokens/s; DFlash 200, 128, 100 (speedups 2, 1, 0.83)
+    assert mean_line == ["| **mean** | 1.00 | 116.0 | 1.00x | 1.73 | 142.7 | 1.28x | "
+                         "3.17 | 263.3 | 2.32x |"]
+

@@ -11,6 +11,7 @@ load an export with `trust_remote_code=True`.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import numpy as np
@@ -246,13 +247,16 @@ def test_strict_loading_refuses_bad_folders(tmp_path):
 
 
 def test_the_code_table_and_the_whitening_map_agree(target):
-    """Exports carry both; a reference checkpoint may carry only the table."""
+    """The fixture carries both (the map is used); the reference layout carries only the
+    table."""
     drafter = load_drafter(FIXTURES / "dspine")
+    assert drafter.has_transfer_map
+    assert set(drafter.state_dict()) >= {"transfer_codes", "transfer_ready"}
+    assert not {"transfer_whiten", "transfer_mean"} & set(drafter.state_dict())
     e_out = target.get_output_embeddings().weight
     tokens = torch.arange(TARGET["vocab_size"])
-    from_map = drafter.codes(tokens, e_out)
-    drafter.transfer_whiten.zero_()  # now the table is the source
-    torch.testing.assert_close(drafter.codes(tokens, e_out), from_map, atol=1e-5, rtol=0)
+    from_table = math.sqrt(drafter.config.transfer_rank) * drafter.transfer_codes[tokens]
+    torch.testing.assert_close(drafter.codes(tokens, e_out), from_table, atol=1e-5, rtol=0)
 
 
 def test_shipped_checkpoints_in_the_old_layout_load():
@@ -264,7 +268,8 @@ def test_shipped_checkpoints_in_the_old_layout_load():
     assert drafter.config.dspine_jax_switches == {
         "injection": True, "causal_block": True, "refinement_head": True}
     assert drafter.fc.weight.dtype == torch.bfloat16
-    assert drafter.transfer_whiten.dtype == torch.float32 and bool(drafter.transfer_ready)
+    assert drafter.has_transfer_map and bool(drafter.transfer_ready)
+    assert drafter.transfer_whiten.dtype == drafter.transfer_mean.dtype == torch.float32
 
 
 # ----- JAX side: goldens, export layout, trust_remote_code ----------------------------------------
@@ -312,7 +317,8 @@ def test_export_loads_with_trust_remote_code(tmp_path, target, kind):
     assert type(model).__name__ == f"{name}DraftModel"
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
     if kind == "dspine":
-        assert bool(model.transfer_ready) and model.transfer_whiten.dtype == torch.float32
+        assert bool(model.transfer_ready) and model.transfer_codes.dtype == torch.float32
+        assert not model.has_transfer_map
     strict = load_drafter(out)
     e_in, e_out = (target.get_input_embeddings().weight, target.get_output_embeddings().weight)
     features = torch.randn(1, 6, 2 * TARGET["hidden_size"], generator=torch.Generator()
@@ -321,6 +327,11 @@ def test_export_loads_with_trust_remote_code(tmp_path, target, kind):
         outs = [m.eval()(torch.tensor([7]), m.extend_context(m.new_context(), features),
                          e_in, e_out) for m in (model, strict)]
     torch.testing.assert_close(outs[0].logits, outs[1].logits, atol=0, rtol=0)
+    with torch.no_grad():  # the export (a code table) drafts what its source (a map) does
+        source = load_drafter(FIXTURES / kind)
+        ref = source(torch.tensor([7]), source.extend_context(source.new_context(), features),
+                     e_in, e_out)
+    torch.testing.assert_close(outs[1].logits, ref.logits, atol=1e-5, rtol=0)
 
 
 def test_export_refuses_a_switch_the_reference_cannot_represent(tmp_path):
@@ -404,6 +415,35 @@ def test_parity_comparison_fails_on_drift():
                "tokens": np.roll(reference["tokens"], 1)}
     failed = {r.stage for r in compare(reference, drifted) if not r.ok}
     assert failed == {"draft_logits", "tokens", "token_disagreement"}
+
+
+def test_near_tied_candidates_in_another_order_agree():
+    """Two candidates whose draft logits are near-equal may come out of top-C in either
+    order: the same set, with the transition scores and q permuted alike, is parity
+    (the real SmolLM2 pair swapped ranks 12 and 13 of a slot, logits 1.4e-5 apart); a
+    different candidate, or a table not permuted with its candidates, is not."""
+    from dspine_jax.parity import compare
+
+    reference = unpack(golden("dspine"), 0)
+    slot, (i, j) = 2, (1, 2)
+
+    def swapped(record):
+        out = {k: np.array(v) for k, v in record.items()}
+        out["candidates"][slot, [i, j]] = out["candidates"][slot, [j, i]]
+        for name in ("transition", "q"):
+            out[name][slot][:, [i, j]] = out[name][slot][:, [j, i]]   # this slot's columns
+            out[name][slot + 1][[i, j]] = out[name][slot + 1][[j, i]]  # the next one's rows
+        return out
+
+    def failed(other):
+        return {r.stage for r in compare(reference, other, q_temperature=0.8) if not r.ok}
+
+    assert failed(swapped(reference)) == set()
+    unpermuted = {**reference, "candidates": swapped(reference)["candidates"]}
+    assert "transition" in failed(unpermuted)
+    other = {k: np.array(v) for k, v in reference.items()}
+    other["candidates"][slot, i] = max(other["candidates"][slot]) + 1
+    assert "candidates" in failed(other)
 
 
 def test_f32_tolerance_grows_with_the_values():

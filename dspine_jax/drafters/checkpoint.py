@@ -1,13 +1,17 @@
-"""Drafter checkpoints in the layout the DFlash reference implementations read.
+"""Drafter checkpoints in the layout the DFlash/DSpine reference implementations read.
 
 config.json (`architectures: ["DFlashDraftModel"]`, `block_size`, `num_hidden_layers`,
 `num_target_layers`, `dflash_config: {mask_token_id, target_layer_ids}`) plus
 model.safetensors with their tensor names (`fc.weight`, `hidden_norm.weight`,
 `layers.{i}.self_attn.q_proj.weight`, ...). A DSpine drafter adds its own tensors
-(`injection.*`, `transfer_whiten`, `transfer_mean`) and a `dspine_config`. Token codes
-follow from the target's lm_head and the whitening map, so the native checkpoint leaves
-the [V, r] table out; `dspine export` adds it as `transfer_codes` (the reference layout),
-and loading ignores it.
+(`injection.*`, `transfer_ready`) and a `dspine_config`, and holds its transfer space in
+one of two layouts:
+  * native (what training writes): the whitening map `transfer_whiten` [H, r] and
+    `transfer_mean` [H]; token codes follow from the target's lm_head;
+  * reference (what `dspine export` writes, and SpecForge's `DSpineDraftModel` holds):
+    the code table `transfer_codes` [V, r], float32, and no map. Folding the map into the
+    table is exact: the map is used only through the codes of token ids.
+`load_drafter` reads both (old exports carried the map and the table: the map is used).
 
 config.json's `dspine_config` holds the reference's fields (transfer_rank, message_size,
 top_k); the ablation switches sit under `dspine_jax_switches`. `dspine export` writes the
@@ -52,22 +56,33 @@ def drafter_tensors(drafter: BlockDrafter, dtype=None) -> dict[str, np.ndarray]:
 REMOTE_CODE = {"configuration": "configuration_dspine.py", "modeling": "modeling_dspine.py"}
 
 
+# The whitening map of the native layout; the reference layout has the code table instead.
+MAP_TENSORS = ("transfer_whiten", "transfer_mean")
+
+
 def save_drafter(drafter: BlockDrafter, folder: str | Path, *, dtype=None,
                  code_table: np.ndarray | None = None, remote_code: bool = False) -> Path:
-    """Write config.json + model.safetensors; `dtype` (e.g. jnp.bfloat16) casts on save.
-    `code_table` [V, r] is written as `transfer_codes` for readers that want the table.
-    A DSpine drafter also gets `transfer_ready` = True (its transfer space is built: a
-    reference module rebuilds the space, overwriting the readouts, when it is False).
-    `remote_code` copies dspine_torch's modeling files beside the weights and points
-    config.json's `auto_map` at them."""
+    """Write config.json + model.safetensors; `dtype` (e.g. jnp.bfloat16) casts the trained
+    weights on save. `code_table` [V, r] (`BlockDrafter.code_table` over the target's
+    lm_head) writes a DSpine drafter in the reference layout: the table as
+    `transfer_codes` (float32) in place of the whitening map. A DSpine drafter also gets
+    `transfer_ready` = True (its transfer space is built: a reference module rebuilds the
+    space, overwriting the readouts, when it is False). `remote_code` copies dspine_torch's
+    modeling files beside the weights and points config.json's `auto_map` at them."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = drafter_tensors(drafter, dtype)
-    if drafter.config.dspine is not None:
+    spine = drafter.config.dspine
+    if spine is not None:
         tensors["transfer_ready"] = np.asarray(True)
     if code_table is not None:
-        tensors["transfer_codes"] = np.asarray(code_table if dtype is None
-                                               else jnp.asarray(code_table).astype(dtype))
+        expected = (drafter.config.vocab_size, spine.transfer_rank) if spine else None
+        if expected is None or tuple(np.shape(code_table)) != expected:
+            raise ValueError(f"a code table [V, r] = {expected} is for a DSpine drafter; "
+                             f"got shape {np.shape(code_table)}")
+        for name in MAP_TENSORS:
+            tensors.pop(name, None)
+        tensors["transfer_codes"] = np.asarray(code_table, np.float32)
     config = drafter.config.to_hf()
     if remote_code:
         config["auto_map"] = copy_remote_code(folder, drafter.config.kind)
@@ -101,16 +116,28 @@ def read_drafter_config(folder: Path) -> DrafterConfig:
 
 
 def load_drafter(folder: str | Path, *, dtype=jnp.float32) -> BlockDrafter:
+    """The drafter a checkpoint folder holds, in either layout (see the module docstring),
+    every tensor checked against the config."""
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"drafter {str(folder)!r} is not a checkpoint folder")
     config = read_drafter_config(folder)
     tensors = hf.tensor_source(folder)
-    if "transfer_ready" in tensors and not bool(np.asarray(tensors["transfer_ready"]())):
-        raise CheckpointError(f"{folder}: transfer_ready is False: the drafter's transfer "
-                              "space was never built, so its codes and readouts are unusable")
-    # transfer_codes is derived (see above); transfer_ready is the reference's flag (older
-    # checkpoints lack it: a saved DSpine always has its space).
-    return materialise(lambda: BlockDrafter(config, dtype=dtype, rngs=nnx.Rngs(0)),
-                       tensors, name_of=tensor_name, dtype=dtype, source=str(folder),
-                       ignored={"transfer_codes", "transfer_ready"})
+    ignored, table = set(), False
+    if config.dspine is not None:
+        if "transfer_ready" in tensors and not bool(np.asarray(tensors["transfer_ready"]())):
+            raise CheckpointError(f"{folder}: transfer_ready is False: the drafter's transfer "
+                                  "space was never built, so its codes and readouts are unusable")
+        # transfer_ready is the reference's flag (older checkpoints lack it: a saved DSpine
+        # always has its space).
+        ignored.add("transfer_ready")
+        if set(MAP_TENSORS) <= set(tensors):
+            ignored.add("transfer_codes")  # older exports carried both: the map defines it
+        elif "transfer_codes" in tensors:
+            table = True
+        else:
+            raise CheckpointError(f"{folder}: a DSpine checkpoint needs its transfer space: "
+                                  "transfer_whiten and transfer_mean, or transfer_codes")
+    return materialise(
+        lambda: BlockDrafter(config, dtype=dtype, rngs=nnx.Rngs(0), code_table=table),
+        tensors, name_of=tensor_name, dtype=dtype, source=str(folder), ignored=ignored)

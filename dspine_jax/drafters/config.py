@@ -245,6 +245,10 @@ class DrafterConfig:
         if arch not in ("DFlashDraftModel", "DSpineDraftModel"):
             raise ConfigError(f"not a DFlash/DSpine drafter config: architectures={arch!r}")
         flash = raw.get("dflash_config") or {}
+        windowed = sorted(set(raw.get("layer_types") or ()) - {"full_attention"})
+        if windowed:
+            raise ConfigError(f"drafter config.json has layer_types {windowed}: only "
+                              "full-attention draft layers are supported")
         try:
             rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
             theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))

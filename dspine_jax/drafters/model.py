@@ -38,9 +38,10 @@ from dspine_jax.target import DecoderLayer
 
 
 class TransferBasis(nnx.Variable):
-    """The fixed whitening map of the transfer space: saved with the drafter, never
-    trained. Token codes are computed from the target's lm_head rows on demand, so a
-    checkpoint holds [H, r] numbers, not a [V, r] table."""
+    """The fixed transfer space, saved with the drafter and never trained: the whitening
+    map (codes computed from the target's lm_head rows on demand, so a checkpoint holds
+    [H, r] numbers) or, for a drafter read from the reference layout, the [V, r] code
+    table itself."""
 
 
 @struct.dataclass
@@ -84,8 +85,14 @@ class DrafterLayer(DecoderLayer):
 
 
 class BlockDrafter(nnx.Module):
+    """A DFlash or DSpine drafter. A DSpine drafter holds its transfer space as the
+    whitening map (`transfer_whiten` [D, r], `transfer_mean` [D]; what training builds) or,
+    with `code_table=True`, as the code table `transfer_codes` [V, r] (what the reference
+    layout stores). Both give the same codes: the table is the map applied to every row
+    of the target's lm_head."""
+
     def __init__(self, config: DrafterConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
-                 transfer: TransferSpace | None = None):
+                 transfer: TransferSpace | None = None, code_table: bool = False):
         self.config = config
         self.dtype = dtype
         d = config.hidden_size
@@ -100,10 +107,17 @@ class BlockDrafter(nnx.Module):
             self.injection = Injection(d, spine.transfer_rank, spine.message_size,
                                        config.num_hidden_layers, dtype=dtype, rngs=rngs)
             # float32 whatever the compute dtype: codes are unit vectors of a whitened map.
-            self.transfer_whiten = TransferBasis(jnp.zeros((d, spine.transfer_rank)))
-            self.transfer_mean = TransferBasis(jnp.zeros((d,)))
-            if transfer is not None:
-                self.set_transfer_space(transfer)
+            if code_table:
+                if transfer is not None:
+                    raise ValueError("a drafter holds its transfer space as the whitening "
+                                     "map or as the code table, not both")
+                self.transfer_codes = TransferBasis(
+                    jnp.zeros((config.vocab_size, spine.transfer_rank)))
+            else:
+                self.transfer_whiten = TransferBasis(jnp.zeros((d, spine.transfer_rank)))
+                self.transfer_mean = TransferBasis(jnp.zeros((d,)))
+                if transfer is not None:
+                    self.set_transfer_space(transfer)
 
     def set_transfer_space(self, space: TransferSpace) -> None:
         """Install the whitening map and initialise every readout R_l to D^T."""
@@ -132,15 +146,26 @@ class BlockDrafter(nnx.Module):
         """Concatenated target features [B, T, F] -> [B, T, D]."""
         return self.hidden_norm(self.fc(features.astype(self.dtype)))
 
+    @property
+    def has_code_table(self) -> bool:
+        """The transfer space is held as the [V, r] table (else as the whitening map)."""
+        return hasattr(self, "transfer_codes")
+
     def code(self, tokens: jax.Array, output_embedding: jax.Array) -> jax.Array:
         """sqrt(r) * c_token [..., r] float32: a token placed in the transfer space, from
-        its lm_head row (E_out [V, D]) exactly as build_transfer_space defines c."""
-        codes = transfer_codes(jnp.take(output_embedding, tokens, axis=0),
-                               self.transfer_mean[...], self.transfer_whiten[...])
+        its lm_head row (E_out [V, D]) exactly as build_transfer_space defines c, or its
+        row of the code table."""
+        if self.has_code_table:
+            codes = jnp.take(self.transfer_codes[...], tokens, axis=0)
+        else:
+            codes = transfer_codes(jnp.take(output_embedding, tokens, axis=0),
+                                   self.transfer_mean[...], self.transfer_whiten[...])
         return jnp.sqrt(self.config.dspine.transfer_rank) * codes
 
     def code_table(self, output_embedding) -> np.ndarray:
         """All V codes c_v [V, r] float32 (the reference's `transfer_codes` table)."""
+        if self.has_code_table:
+            return np.asarray(self.transfer_codes[...], np.float32)
         return code_table(output_embedding, self.transfer_mean[...], self.transfer_whiten[...])
 
     def _block_inputs(self, anchor_tokens: jax.Array, input_embedding: jax.Array):

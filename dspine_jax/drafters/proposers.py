@@ -101,8 +101,9 @@ class ChainProposer:
             readout=inj.readouts[last].weight[...], write=inj.writes[last].weight[...],
             message=inj.message.weight[...], receiver_gate=inj.receiver_gate.weight[...],
             predecessor_gate=inj.predecessor_gate.weight[...], bias=inj.bias[...],
-            norm_weight=d.norm.weight[...], transfer_mean=d.transfer_mean[...],
-            transfer_whiten=d.transfer_whiten[...])
+            norm_weight=d.norm.weight[...],
+            **({"transfer_codes": d.transfer_codes[...]} if d.has_code_table else
+               {"transfer_mean": d.transfer_mean[...], "transfer_whiten": d.transfer_whiten[...]}))
 
     def chain_sampling(self, sampling: SamplingParams) -> SamplingParams:
         """The warp of the chain's scores: T * chain_temperature (T = 0 stays argmax)."""

@@ -38,7 +38,9 @@ def vocab_top_k_reference(hidden, weight, k: int):
 
 class TransitionWeights(NamedTuple):
     """The last draft layer's write and the final norm, as plain arrays ([out, in] weights,
-    the compute dtype of the drafter; transfer map float32)."""
+    the compute dtype of the drafter), and the transfer space in float32: the whitening
+    map (`transfer_mean`, `transfer_whiten`: codes from lm_head rows) or the code table
+    (`transfer_codes`: codes by token id), whichever the drafter holds."""
     readout: jax.Array           # R_L [r, D]
     write: jax.Array             # W_L [D, m]
     message: jax.Array           # M [m, r]
@@ -46,8 +48,9 @@ class TransitionWeights(NamedTuple):
     predecessor_gate: jax.Array  # B [m, r]
     bias: jax.Array              # b [m]
     norm_weight: jax.Array       # final RMSNorm scale [D]
-    transfer_mean: jax.Array     # [D]
-    transfer_whiten: jax.Array   # [D, r]
+    transfer_mean: jax.Array | None = None    # [D]
+    transfer_whiten: jax.Array | None = None  # [D, r]
+    transfer_codes: jax.Array | None = None   # [V, r]
 
 
 def _linear(x, w):
@@ -58,10 +61,15 @@ def _unit(x):
     return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
 
 
-def transfer_code(rows, w: TransitionWeights):
-    """sqrt(r) * c for lm_head rows [..., D] -> [..., r] float32."""
-    rank = w.transfer_whiten.shape[1]
-    c = _unit((_unit(rows.astype(jnp.float32)) - w.transfer_mean) @ w.transfer_whiten)
+def transfer_code(tokens, output_embedding, w: TransitionWeights):
+    """sqrt(r) * c for token ids [...] -> [..., r] float32: a row of the code table, or
+    unit((unit(E_out[token]) - mean) @ whiten) from the whitening map."""
+    rank = w.readout.shape[0]
+    if w.transfer_codes is not None:
+        c = jnp.take(w.transfer_codes, tokens, axis=0).astype(jnp.float32)
+    else:
+        rows = jnp.take(output_embedding, tokens, axis=0).astype(jnp.float32)
+        c = _unit((_unit(rows) - w.transfer_mean) @ w.transfer_whiten)
     return jnp.sqrt(rank) * c
 
 
@@ -71,12 +79,12 @@ def transition_table(pre_injection, predecessors, candidate_rows, output_embeddi
     -> scores [..., P, C] float32 (the same operations, in the same dtypes, as the drafter's
     `transition_scores`)."""
     dtype = pre_injection.dtype
-    rank = w.transfer_whiten.shape[1]
+    rank = w.readout.shape[0]
     z = _linear(pre_injection, w.readout).astype(jnp.float32)
     phi = jnp.sqrt(rank) * z / jnp.maximum(jnp.linalg.norm(z, axis=-1, keepdims=True), 1e-6)
     phi = phi[..., None, :]                                             # [..., 1, r]
     h = pre_injection[..., None, :]                                     # [..., 1, D]
-    pred = transfer_code(jnp.take(output_embedding, predecessors, axis=0), w)  # [..., P, r]
+    pred = transfer_code(predecessors, output_embedding, w)            # [..., P, r]
     gate = jax.nn.sigmoid((_linear(phi.astype(dtype), w.receiver_gate)
                            + _linear(pred.astype(dtype), w.predecessor_gate)
                            + w.bias).astype(jnp.float32))
