@@ -95,7 +95,7 @@ def drafter_param_groups(dconfig) -> dict[str, int]:
     import numpy as np
     from flax import nnx
 
-    from dspine_benchmarks.lower_for_tpu import abstract_drafter
+    from dspine_benchmarks.abstract_models import abstract_drafter
 
     groups = {"layers": 0, "fc": 0, "transfer": 0}
     flat = nnx.to_flat_state(nnx.state(abstract_drafter(dconfig, jnp.float32)))
@@ -172,7 +172,7 @@ def training_table(config, train_configs, slices=((TPUS[0], 16), (TPUS[1], 16),
     bound: the step's matmul FLOPs over the slice's bf16 peak)."""
     import jax.numpy as jnp
 
-    from dspine_benchmarks.lower_for_tpu import abstract_drafter, drafter_config
+    from dspine_benchmarks.abstract_models import abstract_drafter, drafter_config
     from dspine_train.flops import flops_per_step
 
     lines = ["| config | steps | batch x seq | TFLOP per step | "

@@ -103,8 +103,13 @@ def missing_cited_paths(page: Path, root: Path = ROOT) -> list[str]:
         if (span.split("/")[0] in REPO_DIRS and "/" in span and " " not in span
                 and not span.startswith("docs/results/")   # checked above
                 and not re.search(r"[*{}<>|]|[A-Z]{2,}", span)):
-            if not (root / span.rstrip("/")).exists():
+            path, _, test_name = span.partition("::")      # tests/x.py::test_name
+            file = root / path.rstrip("/")
+            if not file.exists():
                 problems.append(f"`{span}` does not exist")
+            elif test_name and not re.search(rf"^\s*def {re.escape(test_name)}\(",
+                                             file.read_text(encoding="utf-8"), re.M):
+                problems.append(f"`{span}`: {path} defines no {test_name}")
     for match in MODULE.finditer(text):
         package, name = match.groups()
         folder = root / PACKAGE_DIRS[package]
@@ -140,6 +145,8 @@ def test_the_checks_catch_a_broken_link_anchor_and_path(tmp_path):
     """A page with one of each defect is flagged for each, and only for those."""
     (tmp_path / "docs" / "results" / "run").mkdir(parents=True)
     (tmp_path / "train").mkdir()
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_x.py").write_text("def test_here():\n    pass\n")
     (tmp_path / "other.md").write_text("# Other page\n\n## A section\n")
     page = tmp_path / "README.md"
     page.write_text(
@@ -148,9 +155,11 @@ def test_the_checks_catch_a_broken_link_anchor_and_path(tmp_path):
         "[bad file](gone.md) [bad anchor](other.md#nope) [bad own anchor](#not-a-heading)\n"
         "raw in `docs/results/run/` and `docs/results/old-run/x.json`;\n"
         "`train/gone.py`, `train/configs/*.toml`, `runs/anything`,\n"
+        "`tests/test_x.py::test_here`, `tests/test_x.py::test_gone`,\n"
         "python -m dspine_benchmarks.no_such_script\n")
     assert sorted(p.split(":")[0] for p in broken_links(page, tmp_path)) == [
         "#not-a-heading", "gone.md", "other.md#nope"]
     assert missing_cited_paths(page, tmp_path) == [
         "docs/results/old-run/x.json does not exist", "`train/gone.py` does not exist",
+        "`tests/test_x.py::test_gone`: tests/test_x.py defines no test_gone",
         "dspine_benchmarks.no_such_script: no benchmarks/no_such_script.py"]
