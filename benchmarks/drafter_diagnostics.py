@@ -27,6 +27,7 @@ from dspine_jax.drafters.checkpoint import load_drafter
 from dspine_jax.drafters.model import DraftOutput
 from dspine_jax.registry import resolve_drafter
 from dspine_jax.sampling import SamplingParams
+from dspine_jax.speculative.policy import SpeculationConfig
 
 
 def accepted(pred: np.ndarray, labels: np.ndarray) -> np.ndarray:
@@ -206,7 +207,7 @@ def main(argv=None) -> None:
         name = Path(folder).name
         reports[name] = diagnose(loaded, drafter, sequences, args.stride)
         reports[name]["engine_check"] = engine_check(
-            Pipeline.from_loaded(loaded, folder), drafter, prompts, args.max_new_tokens,
+            Pipeline.from_loaded(loaded, folder, speculation=SpeculationConfig("fixed")), drafter, prompts, args.max_new_tokens,
             loaded)
         print(name, json.dumps(reports[name]))
     args.out.mkdir(parents=True, exist_ok=True)

@@ -48,6 +48,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from dspine_jax.speculative.policy import SpeculationConfig
+
 
 def compile_shapes(decoder, groups, workers: int, **options) -> None:
     """Compile the programs of every shape the groups of prompts fall into, in threads
@@ -202,7 +204,8 @@ def main(argv=None):
         (Path(str(resolve_drafter(d))).name, d) for d in args.drafter]
     for method, drafter in methods:
         pipes = {n: Pipeline.from_loaded(loaded, drafter, method=None if drafter else "ar",
-                                         steps_per_call=n)
+                                         steps_per_call=n, speculation=(
+                                             SpeculationConfig("fixed") if drafter else None))
                  for n in args.steps_per_call or [None]}
         torch_drafter = (dspine_torch.load_drafter(resolve_drafter(drafter), dtype=tdtype)
                          .to(device) if drafter and hf_target is not None else None)

@@ -39,6 +39,7 @@ import sys
 from pathlib import Path
 
 from dspine_benchmarks.loop_vs_engine import batches, compile_shapes, read_prompts, time_engine
+from dspine_jax.speculative.policy import MODES, SpeculationConfig
 
 ENGINES = ("batch", "slots")
 
@@ -58,6 +59,8 @@ def parse(argv=None):
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "f32"])
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "xla"])
     ap.add_argument("--proposal-kernel", default="auto", choices=["auto", "pallas", "xla"])
+    ap.add_argument("--speculation", nargs="+", choices=MODES, default=["adaptive"],
+                    help="drafters' verify widths, each mode a row of its own")
     ap.add_argument("--skip-ar", action="store_true")
     ap.add_argument("--compile-workers", type=int, default=8)
     ap.add_argument("--out", default=None, help="JSON, rewritten after every row")
@@ -101,8 +104,9 @@ def main(argv=None):
     from dspine_jax.registry import DEFAULT_TARGET, resolve_drafter
 
     texts = read_prompts(args.prompts, args.num_prompts)
-    methods = ([] if args.skip_ar else [("ar", None)]) + [
-        (Path(str(resolve_drafter(d))).name, d) for d in args.drafter]
+    methods = ([] if args.skip_ar else [("ar", None, None)]) + [
+        (Path(str(resolve_drafter(d))).name, d, mode) for d in args.drafter
+        for mode in args.speculation]
     loaded = load_target(args.target or DEFAULT_TARGET, dtype=args.dtype)
     meta = {"date": datetime.date.today().isoformat(), "jax": jax.__version__,
             "device": str(jax.devices()[0].device_kind), "dtype": args.dtype,
@@ -112,12 +116,13 @@ def main(argv=None):
             "proposal_kernel": args.proposal_kernel}
     rows = []
     greedy_ar = {}      # rows -> AR's T = 0 tokens from its first engine (the reference)
-    for method, drafter in methods:
+    for method, drafter, mode in methods:
         # static batches with the offline call length, slots with the serving engine's
         pipes = {engine: Pipeline.from_loaded(
             loaded, drafter, method=None if drafter else "ar", serving=engine == "slots",
             attention_backend=args.attention_backend,
-            **({"proposal_kernel": args.proposal_kernel} if drafter else {}))
+            **({"proposal_kernel": args.proposal_kernel,
+                "speculation": SpeculationConfig(mode)} if drafter else {}))
             for engine in args.engine}
         prompts = [pipes[args.engine[0]].encode(p) for p in texts]
         for t in args.temperature:
@@ -137,7 +142,8 @@ def main(argv=None):
                         same = [x == y for x, y in zip(tokens, greedy_ar[b])]
                         got["same_as_ar"] = round(sum(same) / len(same), 4)
                     # a pass emits its accepted tokens; the prefill emits each row's first
-                    row = {"method": method, "engine": engine, "temperature": t, "rows": b,
+                    row = {"method": method, "speculation": mode, "engine": engine,
+                           "temperature": t, "rows": b,
                            **got, "seconds": round(got["seconds"], 4),
                            "tokens_per_s": round(got["tokens"] / got["seconds"], 1),
                            "tau": round((got["tokens"] - len(prompts)) / got["row_passes"], 3)}
@@ -169,7 +175,8 @@ def table(rows) -> str:
             "| ms per pass | same as AR |")
     lines = [head, "|" + "---|" * 11]
     for r in rows:
-        lines.append(f"| {r['method']} | {r['temperature']:g} | {r['rows']} | {r['engine']} | "
+        method = r["method"] + (f" ({r['speculation']})" if r.get("speculation") else "")
+        lines.append(f"| {method} | {r['temperature']:g} | {r['rows']} | {r['engine']} | "
                      f"{r['tokens_per_s']:,.0f} | {r.get('x_ar', '')} | "
                      f"{r.get('x_ar_best', '')} | {r['tau']} | {r.get('row_pass_share', 1)} | "
                      f"{r.get('ms_per_pass', '')} | {r.get('same_as_ar', '')} |")

@@ -23,6 +23,7 @@ from dspine_benchmarks.drafter_diagnostics import add_heldout_args, heldout_prom
 from dspine_jax.api import Pipeline
 from dspine_jax.checkpoints import load_target
 from dspine_jax.registry import resolve_drafter
+from dspine_jax.speculative.policy import SpeculationConfig
 
 VARIANTS = {"dspine": {}, "dspine chain_temperature=1.5": {"chain_temperature": 1.5},
             "dspine marginal_tail": {"marginal_tail": True},
@@ -84,7 +85,7 @@ def main(argv=None) -> None:
         if args.only and name not in args.only:
             continue
         start = time.time()
-        pipe = Pipeline.from_loaded(loaded, folder)
+        pipe = Pipeline.from_loaded(loaded, folder, speculation=SpeculationConfig("fixed"))
         results = pipe.generate(prompts, max_new_tokens=args.max_new_tokens,
                                 temperature=args.temperature, seed=args.seed,
                                 batch_size=args.batch_size)

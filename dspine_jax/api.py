@@ -21,6 +21,7 @@ from dspine_jax.drafters import (DEFAULT_PROPOSAL, DEFAULT_PROPOSAL_KERNEL, PROP
 from dspine_jax.errors import CheckpointError, ConfigError, InputError
 from dspine_jax.registry import BUILTIN_DRAFTERS, DEFAULT_TARGET, resolve_drafter
 from dspine_jax.sampling import validate_sampling
+from dspine_jax.speculative.policy import SpeculationConfig
 
 METHODS = ("ar", "dflash", "dspine")
 
@@ -112,6 +113,25 @@ def check_proposal(proposal: str, proposal_kernel: str, method: str | None = Non
                          "proposal; --proposal dense has none: drop one of the two")
 
 
+def check_speculation(speculation: SpeculationConfig | None,
+                      choice: MethodChoice | None = None) -> SpeculationConfig:
+    """The speculation settings are valid and have a drafter to apply to; a width past the
+    drafter's block is refused from its config.json, before anything loads. None: the
+    default (adaptive). -> the settings to use."""
+    if speculation is None:
+        speculation = SpeculationConfig()
+    elif choice is not None and choice.method == "ar":
+        raise InputError("--speculation and --max-verify-width set how many drafted tokens "
+                         "each pass verifies, but the method is ar (no drafter); drop them, "
+                         "or decode with a drafter (--drafter)")
+    speculation.validate()
+    if choice is not None and choice.drafter is not None:
+        from dspine_jax.drafters.checkpoint import read_drafter_config
+
+        speculation.validate(read_drafter_config(choice.drafter).block_size)
+    return speculation
+
+
 @dataclasses.dataclass
 class Prompt:
     text: str
@@ -128,6 +148,7 @@ class Result:
     seconds: float           # the batch's wall time (prefill + decode); slots: the run's
     compile_seconds: float
     batch_size: int          # rows of the batch, or slots
+    verify_widths: dict[int, int] = dataclasses.field(default_factory=dict)  # width: passes
 
     @property
     def num_tokens(self) -> int:
@@ -144,6 +165,7 @@ class Result:
                 "accept_lengths": self.accept_lengths, "seconds": round(self.seconds, 4),
                 "tokens_per_second": round(self.num_tokens / max(self.seconds, 1e-9), 2),
                 "batch_size": self.batch_size,
+                "verify_widths": {str(w): n for w, n in self.verify_widths.items()},
                 "compile_seconds": round(self.compile_seconds, 2)}
 
 
@@ -163,7 +185,8 @@ class Pipeline:
              method: str | None = None, dtype: str = "auto",
              steps_per_call: int | None = None, serving: bool = False,
              attention_backend: str = "auto", proposal: str = DEFAULT_PROPOSAL,
-             proposal_kernel: str = DEFAULT_PROPOSAL_KERNEL) -> "Pipeline":
+             proposal_kernel: str = DEFAULT_PROPOSAL_KERNEL,
+             speculation: SpeculationConfig | None = None) -> "Pipeline":
         """`method` defaults to whatever `drafter` is (see `resolve_method`);
         `steps_per_call` (target passes per host call) defaults to the static batches' 16,
         or with `serving` (a pipeline for the slot engine) to 8 for AR and 4 with a drafter;
@@ -171,40 +194,59 @@ class Pipeline:
         With a drafter, `proposal` is sparse (q and p only where verification needs them)
         or dense (for comparison), and `proposal_kernel` is the top-k over the vocabulary
         of DSpine's sparse proposal: xla, pallas or auto (pallas on GPU/TPU, else xla).
+        `speculation` sets how many drafts each pass verifies (`SpeculationConfig`; default
+        adaptive: the width per call from measured costs and acceptance).
         Every argument is checked before the target loads, so a typo costs no load time."""
+        choice, speculation = cls.check(target, drafter, method=method, dtype=dtype,
+                                        attention_backend=attention_backend,
+                                        proposal=proposal, proposal_kernel=proposal_kernel,
+                                        speculation=speculation)
+        return cls.from_choice(load_target(target, dtype=dtype), choice, steps_per_call,
+                               serving=serving, attention_backend=attention_backend,
+                               proposal=proposal, proposal_kernel=proposal_kernel,
+                               speculation=speculation)
+
+    @staticmethod
+    def check(target: str | Path = DEFAULT_TARGET, drafter: str | Path | None = None, *,
+              method: str | None = None, dtype: str = "auto", attention_backend: str = "auto",
+              proposal: str = DEFAULT_PROPOSAL, proposal_kernel: str = DEFAULT_PROPOSAL_KERNEL,
+              speculation: SpeculationConfig | None = None
+              ) -> tuple[MethodChoice, SpeculationConfig]:
+        """`load`'s checks alone (milliseconds: a drafter's config.json at most) ->
+        (the method choice, the speculation settings) for `from_choice`."""
         resolve_dtype(dtype)
         check_attention_backend(attention_backend)
         check_proposal(proposal, proposal_kernel)
         choice = resolve_method(target, drafter, method)
         check_proposal(proposal, proposal_kernel, choice.method)
-        return cls.from_choice(load_target(target, dtype=dtype), choice, steps_per_call,
-                               serving=serving, attention_backend=attention_backend,
-                               proposal=proposal,
-                               proposal_kernel=proposal_kernel)
+        return choice, check_speculation(speculation, choice)
 
     @classmethod
     def from_loaded(cls, loaded: LoadedTarget, drafter: str | Path | None = None, *,
                     method: str | None = None, steps_per_call: int | None = None,
                     serving: bool = False, attention_backend: str = "auto",
                     proposal: str = DEFAULT_PROPOSAL,
-                    proposal_kernel: str = DEFAULT_PROPOSAL_KERNEL) -> "Pipeline":
+                    proposal_kernel: str = DEFAULT_PROPOSAL_KERNEL,
+                    speculation: SpeculationConfig | None = None) -> "Pipeline":
         """A pipeline over an already loaded target (several drafters share one target);
         the options as in `load`."""
         check_proposal(proposal, proposal_kernel)
         # A loaded target has a path, not a name: it has no built-in drafter to default to.
         choice = resolve_method(None, drafter, method)
         check_proposal(proposal, proposal_kernel, choice.method)
+        speculation = check_speculation(speculation, choice)
         return cls.from_choice(loaded, choice, steps_per_call, serving=serving,
                                attention_backend=attention_backend, proposal=proposal,
-                               proposal_kernel=proposal_kernel)
+                               proposal_kernel=proposal_kernel, speculation=speculation)
 
     @classmethod
     def from_choice(cls, loaded: LoadedTarget, choice: MethodChoice,
                     steps_per_call: int | None = None, *, serving: bool = False,
                     attention_backend: str = "auto", proposal: str = DEFAULT_PROPOSAL,
-                    proposal_kernel: str = DEFAULT_PROPOSAL_KERNEL) -> "Pipeline":
+                    proposal_kernel: str = DEFAULT_PROPOSAL_KERNEL,
+                    speculation: SpeculationConfig | None = None) -> "Pipeline":
         """A pipeline for a `resolve_method` result (checked before the target loaded);
-        `proposal` and `proposal_kernel` as in `load`, unused by AR."""
+        `proposal`, `proposal_kernel` and `speculation` as in `load`, unused by AR."""
         from dspine_jax.drafters.checkpoint import load_drafter
         from dspine_jax.engine import SpeculativeEngine
         from dspine_jax.generate import AutoregressiveGenerator
@@ -220,7 +262,8 @@ class Pipeline:
         decoder = SpeculativeEngine(loaded.model, model, eos_token_ids=eos,
                                     steps_per_call=steps_per_call,
                                     attention_backend=attention_backend,
-                                    proposal_impl=proposal, proposal_kernel=proposal_kernel)
+                                    proposal_impl=proposal, proposal_kernel=proposal_kernel,
+                                    speculation=speculation or SpeculationConfig())
         return cls(loaded, decoder, choice.method)
 
     def encode(self, prompt: Prompt | str) -> list[int]:
@@ -250,7 +293,8 @@ class Pipeline:
                     text=self.tokenizer.decode(g.tokens), tokens=g.tokens,
                     prompt_tokens=g.prompt_tokens, finish_reason=g.finish_reason,
                     accept_lengths=g.accept_lengths, seconds=batch.seconds,
-                    compile_seconds=batch.compile_seconds, batch_size=len(chunk)))
+                    compile_seconds=batch.compile_seconds, batch_size=len(chunk),
+                    verify_widths=g.verify_widths))
         return results
 
     def stream(self, prompt: Prompt | str, *, chat: bool = False, **options) -> Iterator[str]:
@@ -278,4 +322,4 @@ class Pipeline:
         return Result(text=text, tokens=g.tokens, prompt_tokens=g.prompt_tokens,
                       finish_reason=g.finish_reason, accept_lengths=g.accept_lengths,
                       seconds=batch.seconds, compile_seconds=batch.compile_seconds,
-                      batch_size=1)
+                      batch_size=1, verify_widths=g.verify_widths)

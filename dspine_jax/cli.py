@@ -73,6 +73,8 @@ def generate(
     attention_backend: str = options.attention_backend(),
     proposal: str = options.proposal(),
     proposal_kernel: str = options.proposal_kernel(),
+    speculation: Optional[str] = options.speculation(),
+    max_verify_width: Optional[int] = options.max_verify_width(),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per prompt on stdout."),
 ):
     """Generate text: autoregressive, or speculative with a DFlash or DSpine drafter."""
@@ -93,7 +95,9 @@ def generate(
                    else read_prompts_file(prompts_file, chat))
         pipe = Pipeline.load(target, drafter, method=method, dtype=dtype,
                              serving=engine == "slots", attention_backend=attention_backend,
-                             proposal=proposal, proposal_kernel=proposal_kernel)
+                             proposal=proposal, proposal_kernel=proposal_kernel,
+                             speculation=options.speculation_config(speculation,
+                                                                    max_verify_width))
         sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                         top_k=top_k, seed=seed, ignore_eos=ignore_eos)
         if as_json or len(prompts) > 1 or engine == "slots":
@@ -176,6 +180,8 @@ def evaluate_command(
     attention_backend: str = options.attention_backend(),
     proposal: str = options.proposal(),
     proposal_kernel: str = options.proposal_kernel(),
+    speculation: Optional[str] = options.speculation(default="fixed"),
+    max_verify_width: Optional[int] = options.max_verify_width(),
 ):
     """Acceptance length, tokens/s and speedup over AR on the benchmark suite."""
     try:
@@ -192,20 +198,42 @@ def evaluate_command(
                  max_new_tokens=max_new_tokens, limit=limit, batch_size=batch_size, seed=seed,
                  dtype=dtype, max_prompt_tokens=max_prompt_tokens,
                  attention_backend=attention_backend, proposal=proposal,
-                 proposal_kernel=proposal_kernel)
+                 proposal_kernel=proposal_kernel,
+                 speculation=options.speculation_config(speculation, max_verify_width,
+                                                        default="fixed"))
     except DSpineError as e:
         _fail(e)
     typer.echo((out / "results.md").read_text())
 
 
 @app.command()
-def info(target: str = typer.Option(DEFAULT_TARGET, help="Built-in name or path.")):
-    """Show a target's configuration and where its files are, and the built-in drafters."""
+def info(
+    target: str = typer.Option(DEFAULT_TARGET, help="Built-in name or path."),
+    speculation_costs: bool = typer.Option(
+        False, "--speculation-costs",
+        help="Instead: time each verify width of --drafter (default: the target's built-in "
+             "DSpine drafter) at each --batch-size on this device, keep the times where "
+             "adaptive speculation reads them, and print them with the width it would pick."),
+    drafter: Optional[str] = options.drafter(),
+    batch_size: list[int] = typer.Option([1, 8], "--batch-size", min=1, metavar="B",
+                                         help="With --speculation-costs; repeatable."),
+    acceptance: Optional[float] = typer.Option(
+        None, "--acceptance", min=0.0, max=1.0, metavar="A",
+        help="With --speculation-costs: the per-slot acceptance rate to pick widths for "
+             "(default: the rate measured by earlier decoding, saved with the costs)."),
+    dtype: str = options.dtype(),
+):
+    """Show a target's configuration and where its files are, and the built-in drafters;
+    or, with --speculation-costs, the speculation cost table of this device."""
     try:
         from dspine_jax.checkpoints import load_target
         from dspine_jax.drafters.checkpoint import read_drafter_config
         from dspine_jax.registry import builtin_drafters
 
+        if speculation_costs:
+            print(json.dumps(speculation_cost_table(target, drafter, batch_size, acceptance,
+                                                    dtype), indent=2))
+            return
         loaded = load_target(target, dtype="f32")
         drafters = []
         for d in builtin_drafters():
@@ -216,6 +244,19 @@ def info(target: str = typer.Option(DEFAULT_TARGET, help="Built-in name or path.
         _fail(e)
     print(json.dumps({"source": str(loaded.source), "num_params": loaded.config.num_params(),
                       **loaded.config.to_hf(), "built_in_drafters": drafters}, indent=2))
+
+
+def speculation_cost_table(target: str, drafter: str | None, batch_sizes: list[int],
+                           acceptance: float | None, dtype: str) -> dict:
+    from dspine_jax.api import Pipeline
+    from dspine_jax.speculative import costs
+    from dspine_jax.speculative.policy import SpeculationConfig
+
+    pipe = Pipeline.load(target, drafter, method=None if drafter else "dspine", dtype=dtype,
+                         speculation=SpeculationConfig("adaptive"))
+    costs.measure(pipe.decoder, batch_sizes)
+    return {"target": target, "drafter": str(drafter or f"{target}-dspine"),
+            **costs.report(pipe.decoder, batch_sizes, acceptance)}
 
 
 @app.command("init-drafter", short_help="Write an untrained drafter for a target.")
@@ -483,7 +524,7 @@ def serve_command(
                                   help="Requests waiting for a slot; more get HTTP 429."),
     host: str = typer.Option("127.0.0.1", metavar="HOST",
                              help="Address to bind (0.0.0.0 exposes the server to the "
-                                  "network; it has no authentication)."),
+                                  "network: give it an --api-key)."),
     port: int = typer.Option(8000, min=0, max=65535, metavar="P"),
     served_model_name: Optional[str] = typer.Option(
         None, "--served-model-name", metavar="NAME",
@@ -495,30 +536,53 @@ def serve_command(
     attention_backend: str = options.attention_backend(),
     proposal: str = options.proposal(),
     proposal_kernel: str = options.proposal_kernel(),
+    speculation: Optional[str] = options.speculation(),
+    max_verify_width: Optional[int] = options.max_verify_width(),
+    api_key: Optional[str] = typer.Option(
+        None, "--api-key", envvar="DSPINE_API_KEY", metavar="KEY", show_default=False,
+        help="Require 'Authorization: Bearer KEY' on every route but /health (401 "
+             "otherwise). Default: $DSPINE_API_KEY, else none."),
+    compile_cache_dir: Optional[str] = typer.Option(
+        None, "--compile-cache-dir", metavar="DIR|none", show_default=False,
+        help="JAX's persistent compilation cache, so a restart reuses compiled programs. "
+             "Default: jax-compile-cache in the cache folder (DSPINE_CACHE_DIR); none: off."),
 ):
     """Serve /v1/completions and /v1/chat/completions (streaming too), /v1/models, /health
     and /metrics over one target, decoded AR or speculatively."""
     try:
-        from dspine_jax.api import Pipeline
-        from dspine_jax.checkpoints import resolve_dtype
+        from dspine_jax.api import Pipeline, load_target
+        from dspine_jax.registry import cache_dir
 
         try:
-            from dspine_serve.server import run
+            from dspine_serve.server import bind, is_loopback, run, use_compile_cache
         except ImportError as e:
             raise ConfigError(f"serving needs the serve extra: pip install 'dspine-jax[serve]' "
                               f"({e})") from e
-        resolve_dtype(dtype)
-        pipe = Pipeline.load(target, drafter, method=method, dtype=dtype, serving=True,
-                             attention_backend=attention_backend, proposal=proposal,
-                             proposal_kernel=proposal_kernel)
+
+        if api_key is not None and not api_key.strip():
+            raise InputError("--api-key is empty; give a key, or leave the option out")
+        choice, speculation_config = Pipeline.check(
+            target, drafter, method=method, dtype=dtype, attention_backend=attention_backend,
+            proposal=proposal, proposal_kernel=proposal_kernel,
+            speculation=options.speculation_config(speculation, max_verify_width))
+        sock = bind(host, port)       # a busy port fails now, not after the compiling
+        if not api_key and not is_loopback(host):
+            typer.echo(f"warning: serving on {host} without --api-key: anyone who reaches "
+                       f"port {port} can use the model", err=True)
+        use_compile_cache(compile_cache_dir if compile_cache_dir is not None
+                          else str(cache_dir() / "jax-compile-cache"))
+        pipe = Pipeline.from_choice(load_target(target, dtype=dtype), choice, serving=True,
+                                    attention_backend=attention_backend, proposal=proposal,
+                                    proposal_kernel=proposal_kernel,
+                                    speculation=speculation_config)
         context = pipe.target.config.max_position_embeddings
         if max_model_len is not None and max_model_len > context:
             raise InputError(f"--max-model-len {max_model_len} is past the model's context "
                              f"of {context}")
         max_model_len = max_model_len or min(context, 2048)
-        run(pipe, model_name=served_model_name or target, host=host, port=port,
-            max_slots=max_slots, max_model_len=max_model_len, max_queue=max_queue,
-            num_pages=num_pages, prefill_chunk=prefill_chunk, grace_seconds=grace_seconds)
+        run(pipe, model_name=served_model_name or target, sock=sock, max_slots=max_slots,
+            max_model_len=max_model_len, max_queue=max_queue, num_pages=num_pages,
+            prefill_chunk=prefill_chunk, grace_seconds=grace_seconds, api_key=api_key)
     except DSpineError as e:
         _fail(e)
 

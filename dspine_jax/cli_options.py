@@ -79,3 +79,32 @@ def num_pages(default: str):
         help="KV cache pages (16 positions each) shared by all slots; requests are admitted "
              "while their pages are free and the newest is preempted (recomputed later) "
              f"when they run out. Default: {default}")
+
+
+def speculation(default: str = "adaptive"):
+    return typer.Option(
+        None, "--speculation", metavar="adaptive|fixed|off", show_default=False,
+        help="Speculative decoding only: how many drafted tokens each pass verifies. "
+             "adaptive: per call, the width (0, 1, 3, 7 or 15) with the most expected "
+             "tokens/s from the costs and acceptance measured so far (kept per device in "
+             "the cache folder); fixed: every pass the whole block (a seed reproduces its "
+             f"sample); off: plain AR steps. Default: {default}.")
+
+
+def max_verify_width():
+    return typer.Option(
+        None, "--max-verify-width", metavar="K", show_default=False,
+        help="Verify at most K drafts per pass (default: the drafter's block size - 1).")
+
+
+def speculation_config(mode: str | None, max_verify_width: int | None,
+                       default: str = "adaptive"):
+    """The `SpeculationConfig` of the two flags (`default` the mode when only a width is
+    given); None when neither was given: the command's default, and no complaint for AR."""
+    from dspine_jax.speculative.policy import SpeculationConfig
+
+    if mode is None and max_verify_width is None:
+        return None
+    config = SpeculationConfig(mode or default, max_verify_width)
+    config.validate()
+    return config

@@ -32,6 +32,7 @@ E tokens a step may emit, V vocab.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import os
@@ -92,6 +93,8 @@ class Generation:
     prompt_tokens: int
     finish_reason: str         # "stop" (EOS) or "length"
     accept_lengths: list[int]  # tokens emitted per target pass after prefill
+    # passes per verify width (drafts verified per pass; 0 is a plain AR step)
+    verify_widths: dict[int, int] = dataclasses.field(default_factory=dict)
 
     @property
     def mean_accept_length(self) -> float:
@@ -101,13 +104,16 @@ class Generation:
 @dataclasses.dataclass
 class PreparedBatch:
     prefill: Callable[[], DecodeState]
-    decode: Callable[[DecodeState], DecodeState]  # steps_per_call target passes per call
+    # steps_per_call target passes per call, verifying `width` drafts each (None: the
+    # decoder's widest); a width is compiled the first time it is asked for
+    decode: Callable[..., DecodeState]
     # the same call, also returning News: what the host streams, in buffers of their own
-    decode_with_news: Callable[[DecodeState], tuple[DecodeState, "News"]]
+    decode_with_news: Callable[..., tuple[DecodeState, "News"]]
     compile_seconds: float
 
 
-News = tuple[jax.Array, jax.Array, jax.Array]  # num_generated [B], done [B], output [B, N]
+# num_generated [B], done [B], output [B, N], num_passes [B], pass_lengths [B, N]
+News = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]
 
 
 @dataclasses.dataclass
@@ -179,6 +185,7 @@ class BatchDecoder:
         self.eos = jnp.asarray(list(eos_token_ids) or [-1], jnp.int32)
         self.steps_per_call = steps_per_call
         self._compiled: dict[tuple, Callable] = {}
+        self.compile_clock = 0.0   # seconds spent compiling, all programs
 
     # ----- what a decoder defines --------------------------------------------------------
     def params(self) -> tuple:
@@ -198,8 +205,10 @@ class BatchDecoder:
         real token, the caches)."""
         raise NotImplementedError
 
-    def step(self, params, state: DecodeState, sampling, ignore_eos) -> DecodeState:
-        """One target pass: propose tokens and `emit` them."""
+    def step(self, params, state: DecodeState, sampling, ignore_eos,
+             width: int | None = None) -> DecodeState:
+        """One target pass: propose tokens and `emit` them; a speculative decoder verifies
+        `width` drafts (None: its widest)."""
         raise NotImplementedError
 
     def target(self, params):
@@ -256,22 +265,23 @@ class BatchDecoder:
         return jax.tree.map(put, state.replace(caches=()), new).replace(caches=state.caches)
 
     def decode(self, params, state: DecodeState, sampling, ignore_eos,
-               num_steps: int) -> DecodeState:
-        """Up to num_steps steps (fewer once every row is done)."""
+               num_steps: int, width: int | None = None) -> DecodeState:
+        """Up to num_steps steps (fewer once every row is done), each of verify `width`."""
         def body(carry):
             i, s = carry
-            return i + 1, self.step(params, s, sampling, ignore_eos)
+            return i + 1, self.step(params, s, sampling, ignore_eos, width)
 
         _, state = jax.lax.while_loop(lambda c: (c[0] < num_steps) & ~jnp.all(c[1].done), body,
                                       (jnp.int32(0), state))
         return state
 
     def decode_with_news(self, params, state: DecodeState, sampling, ignore_eos,
-                         num_steps: int) -> tuple[DecodeState, News]:
+                         num_steps: int, width: int | None = None) -> tuple[DecodeState, News]:
         """`decode`, and the News the host streams: output buffers of their own, still
         readable after the next call has taken `state` (donated)."""
-        state = self.decode(params, state, sampling, ignore_eos, num_steps)
-        return state, (state.num_generated, state.done, state.output)
+        state = self.decode(params, state, sampling, ignore_eos, num_steps, width)
+        return state, (state.num_generated, state.done, state.output, state.num_passes,
+                       state.pass_lengths)
 
     # ----- compiled pieces (offline batches) ----------------------------------------------
     def _prefill_batch(self, params, tokens, lengths, page_table, sampling, budget, rng,
@@ -286,8 +296,10 @@ class BatchDecoder:
 
     def _compile(self, key, fn, *args, static=(), donate=()):
         if key not in self._compiled:
+            t0 = time.perf_counter()
             jitted = jax.jit(fn, static_argnames=static, donate_argnames=donate)
             self._compiled[key] = jitted.lower(*args).compile()
+            self.compile_clock += time.perf_counter() - t0
         return self._compiled[key]
 
     # ----- public API ----------------------------------------------------------------------
@@ -351,13 +363,23 @@ class BatchDecoder:
                                 *args, num_pages, out_len, static=("num_pages", "out_len"))
         state = jax.eval_shape(functools.partial(self._prefill_batch, num_pages=num_pages,
                                                  out_len=out_len), *args)
-        decode = self._compile(("decode",) + shape, self.decode_with_news, params, state,
-                               sampling, ignore, self.steps_per_call, static=("num_steps",),
-                               donate=("state",))
-        return PreparedBatch(prefill=lambda: prefill(*args),
-                             decode=lambda s: decode(params, s, sampling, ignore)[0],
-                             decode_with_news=lambda s: decode(params, s, sampling, ignore),
-                             compile_seconds=time.perf_counter() - t0)
+        def decode(width: int | None):
+            """The decode program of one verify width, compiled on first use."""
+            width = self.default_width() if width is None else width
+            return self._compile(("decode", width) + shape, self.decode_with_news, params,
+                                 state, sampling, ignore, self.steps_per_call, width,
+                                 static=("num_steps", "width"), donate=("state",))
+
+        decode(self.default_width())
+        return PreparedBatch(
+            prefill=lambda: prefill(*args),
+            decode=lambda s, width=None: decode(width)(params, s, sampling, ignore)[0],
+            decode_with_news=lambda s, width=None: decode(width)(params, s, sampling, ignore),
+            compile_seconds=time.perf_counter() - t0)
+
+    def default_width(self) -> int | None:
+        """The width a call runs when none is asked for (None: the decoder has one)."""
+        return None
 
     def allocate_pages(self, prompts, max_new_tokens: int, capacity: int):
         """Every row's pages for its prompt, budget and extra positions, from one pool.
@@ -389,6 +411,8 @@ class BatchDecoder:
         run = self.prepare(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                            top_p=top_p, top_k=top_k, seed=seed, ignore_eos=ignore_eos)
         b = len(prompts)
+        widths = WidthChooser(self.speculation_policy(), b, self.default_width())
+        compiled_before = self.compile_clock
         t0 = time.perf_counter()
         state = run.prefill()
         num, done, output = jax.device_get((state.num_generated, state.done, state.output))
@@ -407,19 +431,34 @@ class BatchDecoder:
             # One call ahead of the host: the next call is queued before the host reads and
             # streams the last one's news, so the device does not idle while the host
             # syncs, streams and dispatches (about 2 ms a call on an H200's host). The call
-            # queued after every row is done runs no step.
+            # queued after every row is done runs no step. Its verify width is chosen from
+            # what the calls read so far (one call behind).
             # DSPINE_STREAM_AHEAD=0 reads each call before queuing the next (before/after).
             ahead = os.environ.get("DSPINE_STREAM_AHEAD", "1") != "0"
-            state, news = run.decode_with_news(state)
+            width = widths.choose(done)
+            state, news = run.decode_with_news(state, width)
+            widths.dispatched(width, self.compile_clock)
             while True:
-                following = run.decode_with_news(state) if ahead else None
-                num, done, output = jax.device_get(news)
+                following = None
+                if ahead:
+                    following_width = widths.choose(done)
+                    following = run.decode_with_news(state, following_width)
+                num, done, output, passes, lengths = jax.device_get(news)
+                widths.read(passes, lengths, done, self.compile_clock)
+                if following:
+                    widths.dispatched(following_width, self.compile_clock)
                 yield from stream_news()
                 if done.all():
                     state = following[0] if following else state  # `state` went to it
                     break
-                state, news = following or run.decode_with_news(state)
-        seconds = time.perf_counter() - t0
+                if not following:
+                    following_width = widths.choose(done)
+                    following = run.decode_with_news(state, following_width)
+                    widths.dispatched(following_width, self.compile_clock)
+                state, news = following
+        lazy_compile = self.compile_clock - compiled_before     # widths first run mid-stream
+        seconds = time.perf_counter() - t0 - lazy_compile
+        self.finished_batch()
         passes, lengths = jax.device_get((state.num_passes, state.pass_lengths))
 
         eos = set(np.asarray(self.eos).tolist())
@@ -429,7 +468,63 @@ class BatchDecoder:
             reason = "stop" if ids and ids[-1] in eos and not ignore_eos else "length"
             generations.append(Generation(tokens=ids, prompt_tokens=len(prompts[row]),
                                           finish_reason=reason,
-                                          accept_lengths=lengths[row, :passes[row]].tolist()))
+                                          accept_lengths=lengths[row, :passes[row]].tolist(),
+                                          verify_widths=widths.row_widths(row)))
         return BatchResult(generations=generations, seconds=seconds,
-                           compile_seconds=run.compile_seconds,
+                           compile_seconds=run.compile_seconds + lazy_compile,
                            prefill_seconds=prefill_seconds)
+
+    def speculation_policy(self):
+        """The `SpeculationPolicy` choosing verify widths, or None (one width only)."""
+        return None
+
+    def finished_batch(self) -> None:
+        """A batch's stream ended (the speculative engine saves what its policy measured)."""
+
+
+class WidthChooser:
+    """One static batch's verify widths: asks the policy before each call and feeds it
+    each call's wall time and acceptance once read. Calls are queued one ahead, so a call's
+    time is taken from the previous read to its own; a call during which a program was
+    compiled is not timed."""
+
+    def __init__(self, policy, rows: int, default: int | None):
+        self.policy, self.rows, self.default = policy, rows, default
+        self.stats = [policy.new_row() for _ in range(rows)] if policy else []
+        self.queue: list[int | None] = []         # widths of calls dispatched, not yet read
+        self.passes = np.zeros(rows, np.int64)    # passes each row had at the last read
+        self.per_row = [collections.Counter() for _ in range(rows)]
+        self.last_read = None
+        self.compiled_at_read = 0.0
+
+    def choose(self, done) -> int | None:
+        if self.policy is None:
+            return self.default
+        return self.policy.choose(self.rows, [s for s, d in zip(self.stats, done) if not d])
+
+    def dispatched(self, width, compile_clock: float) -> None:
+        self.queue.append(width)
+        if self.last_read is None:
+            self.last_read, self.compiled_at_read = time.perf_counter(), compile_clock
+
+    def read(self, passes, lengths, done, compile_clock: float) -> None:
+        now = time.perf_counter()
+        width = self.queue.pop(0)
+        ran = passes - self.passes
+        for row in np.nonzero(ran)[0]:
+            self.per_row[row][width] += int(ran[row])
+            if self.policy is not None:
+                # a finished row's last pass may be cut by EOS or the budget: not counted
+                last = passes[row] - (1 if done[row] else 0)
+                for p in range(self.passes[row], last):
+                    self.policy.observe_pass(self.stats[row], width,
+                                             min(int(lengths[row, p]) - 1, width))
+        if self.policy is not None and compile_clock == self.compiled_at_read:
+            self.policy.observe_call(self.rows, width, now - self.last_read, int(ran.max()))
+        self.passes = np.asarray(passes, np.int64).copy()
+        self.last_read, self.compiled_at_read = now, compile_clock
+
+    def row_widths(self, row: int) -> dict[int, int]:
+        """{verify width: passes} of one row (AR: {0: passes}); {} before any pass."""
+        return {(0 if w is None else w): n for w, n in sorted(
+            self.per_row[row].items(), key=lambda kv: -1 if kv[0] is None else kv[0])}

@@ -15,13 +15,21 @@ One step = three separable stages:
           becomes the next anchor.
 Rows advance by different amounts; finished rows are frozen.
 
+A step verifies the first `width` drafts only (`speculative/policy.py` picks the width
+per call; the verification rule on a prefix of the block is the same rule, so every width
+is exact). Width 0 is a plain AR step: no drafter pass, the target samples the next token,
+the context still gains the anchor's features.
+
 Shape legend: B batch, K block size, V vocab, F fused feature width.
 """
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
 from typing import Sequence
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -31,8 +39,10 @@ from dspine_jax.drafters import DEFAULT_PROPOSAL, DEFAULT_PROPOSAL_KERNEL
 from dspine_jax.drafters.model import BlockDrafter
 from dspine_jax.attention import AttentionMetadata
 from dspine_jax.kv_cache import PagedKVCache
-from dspine_jax.sampling import target_probabilities
-from dspine_jax.speculative.propose import Proposal
+from dspine_jax.registry import cache_dir
+from dspine_jax.sampling import sample_tokens, target_probabilities
+from dspine_jax.speculative.policy import SpeculationConfig, SpeculationPolicy
+from dspine_jax.speculative.propose import Proposal, proposal_prefix
 from dspine_jax.speculative.verify import Verdict, verify, verify_logits
 from dspine_jax.target import TargetModel
 
@@ -41,14 +51,18 @@ class SpeculativeEngine(BatchDecoder):
     def __init__(self, target: TargetModel, drafter: BlockDrafter, *,
                  eos_token_ids: Sequence[int] = (), steps_per_call: int = 4,
                  proposal_impl: str = DEFAULT_PROPOSAL,
-                 proposal_kernel: str = DEFAULT_PROPOSAL_KERNEL, **options):
+                 proposal_kernel: str = DEFAULT_PROPOSAL_KERNEL,
+                 speculation: SpeculationConfig = SpeculationConfig("fixed"), **options):
         """options: BatchDecoder's (attention_backend, page_size, num_pages).
         proposal_impl: "sparse" (q and p only where needed, no [K, V] warp) or "dense"
         (the original [B, K, V] p and q, kept for comparison). proposal_kernel: the
         `vocab_top_k` implementation of DSpine's sparse proposal ("xla", "auto", "pallas",
         or vocab_top_k's "pallas_gpu", "pallas_tpu"; see `proposers.kernel_call`); "xla"
-        until the Pallas kernels have run on hardware."""
+        until the Pallas kernels have run on hardware. speculation: how many drafts each
+        pass verifies (`SpeculationConfig`: adaptive, fixed or off); the engine alone
+        verifies the whole block (fixed), `Pipeline` and the CLI default to adaptive."""
         drafter.config.check_target(target.config)
+        speculation.validate(drafter.config.block_size)
         # refuses an unknown name now, not at trace time
         drafter.proposer(proposal_impl, proposal_kernel)
         self.proposal_impl = proposal_impl
@@ -60,6 +74,36 @@ class SpeculativeEngine(BatchDecoder):
         self.extra_capacity = self.block_size  # verify writes a whole block past the anchor
         self.layer_ids = tuple(drafter.config.target_layer_ids)
         self.drafter_graph, self.drafter_params = nnx.split(drafter)
+        self.speculation = speculation
+        self.widths = speculation.widths(self.block_size)
+        # kept for the decoder's life (and in a file between processes): the costs it
+        # measures hold for every later batch on this device
+        self.policy = SpeculationPolicy(speculation, self.block_size)
+        if len(self.widths) > 1:
+            self.policy.load(self.policy_file())
+
+    def default_width(self) -> int:
+        return self.widths[-1]
+
+    def speculation_policy(self):
+        return self.policy if len(self.widths) > 1 else None
+
+    def policy_file(self) -> Path:
+        """Where this device's costs for this target, drafter and engine are kept: a name
+        hashed from everything a pass's time depends on."""
+        device = jax.devices()[0]
+        key = repr((device.platform, device.device_kind, self.config, self.drafter_config,
+                    str(self.dtype), type(self.attention).__name__, self.proposal_impl,
+                    self.proposal_kernel, self.steps_per_call, self.page_size, self.widths))
+        name = hashlib.sha256(key.encode()).hexdigest()[:20]
+        return cache_dir() / "speculation" / f"{name}.json"
+
+    def finished_batch(self) -> None:
+        if self.speculation_policy() is not None:
+            try:
+                self.policy.save(self.policy_file())
+            except OSError:       # a read-only cache costs the next process a measurement
+                pass
 
     def params(self) -> tuple:
         return (self.target_params, self.drafter_params)
@@ -111,6 +155,16 @@ class SpeculativeEngine(BatchDecoder):
             return verify(proposal.tokens, proposal.dense_q(), p, rng), out
         return verify_logits(proposal, out.logits, sampling, rng), out
 
+    def plain_step(self, params, state: DecodeState, sampling, rng):
+        """Width 0: the target alone on the anchor, its token sampled as AR samples it."""
+        out = self.target(params)(state.last_token[:, None], state.caches[0],
+                                  attention=self.attention, hidden_layer_ids=self.layer_ids)
+        token = sample_tokens(out.logits[:, 0], sampling, rng)
+        b = token.shape[0]
+        proposal = Proposal(tokens=jnp.zeros((b, 0), jnp.int32),
+                            q=jnp.zeros((b, 0, 1), jnp.float32))
+        return proposal, Verdict(num_accepted=jnp.zeros((b,), jnp.int32), next_token=token), out
+
     def accept(self, params, state: DecodeState, proposal: Proposal, verdict: Verdict,
                target_out, ignore_eos) -> DecodeState:
         target_cache, context = state.caches
@@ -121,13 +175,20 @@ class SpeculativeEngine(BatchDecoder):
         context = self.drafter(params).extend_context(
             context, target_out.features(), kept, attention=self.attention)
         # Emitted: the accepted drafts, then the target's token.
-        tokens = jnp.concatenate([proposal.tokens, jnp.zeros_like(proposal.tokens[:, :1])], 1)
+        tokens = jnp.concatenate([proposal.tokens, jnp.zeros_like(n)[:, None]], 1)
         tokens = tokens.at[jnp.arange(tokens.shape[0]), n].set(verdict.next_token)
         state = state.replace(caches=(target_cache, context))
         return emit(state, tokens, n + 1, verdict.next_token, self.eos, ignore_eos)
 
-    def step(self, params, state: DecodeState, sampling, ignore_eos) -> DecodeState:
+    def step(self, params, state: DecodeState, sampling, ignore_eos,
+             width: int | None = None) -> DecodeState:
+        """One pass verifying the first `width` drafts (default: this engine's widest)."""
+        width = self.default_width() if width is None else width
         draft_key, verify_key = row_keys.split(step_keys(state), 2)    # [B] keys each
-        proposal, state = self.draft(params, state, sampling, draft_key)
-        verdict, target_out = self.verify(params, state, proposal, sampling, verify_key)
+        if width == 0:
+            proposal, verdict, target_out = self.plain_step(params, state, sampling, verify_key)
+        else:
+            proposal, state = self.draft(params, state, sampling, draft_key)
+            proposal = proposal_prefix(proposal, width)
+            verdict, target_out = self.verify(params, state, proposal, sampling, verify_key)
         return self.accept(params, state, proposal, verdict, target_out, ignore_eos)

@@ -27,7 +27,9 @@ class AutoregressiveGenerator(BatchDecoder):
                                   logits_at=jnp.maximum(q_lens - 1, 0)[:, None])
         return out.logits[:, 0], (out.cache,)
 
-    def step(self, params, state: DecodeState, sampling, ignore_eos) -> DecodeState:
+    def step(self, params, state: DecodeState, sampling, ignore_eos,
+             width: int | None = None) -> DecodeState:
+        """One token per row; `width` (a speculative engine's verify width) is always 0."""
         cache = state.caches[0]
         out = self.target(params)(state.last_token[:, None], cache, attention=self.attention)
         token = sample_tokens(out.logits[:, 0], sampling, step_keys(state))

@@ -15,6 +15,7 @@ request waits) aborts its request, which frees its slot at the next engine step.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import math
@@ -32,7 +33,7 @@ from dspine_jax.errors import InputError
 from dspine_serve.detokenizer import IncrementalDetokenizer
 from dspine_serve.engine_core import RequestOutput, SamplingOptions
 from dspine_serve.engine_loop import (Draining, EngineDead, EngineLoop, QueueFull,
-                                      RequestStream)
+                                      RequestStream, Starting)
 from dspine_serve.metrics import ServerMetrics
 from dspine_serve.protocol import (ROLES, APIError, ChatCompletionRequest, CompletionRequest,
                                    SamplingFields, TokenizeRequest, now, request_id, usage)
@@ -45,9 +46,10 @@ SEED_RANGE = 2 ** 63
 
 
 def create_app(engine: EngineLoop, tokenizer, *, model_name: str, method: str = "ar",
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None) -> FastAPI:
     """The app for one served model. Its lifespan starts the engine thread (unless it runs
-    already) and stops it on shutdown."""
+    already) and stops it on shutdown. With `api_key`, every route but /health needs the
+    header `Authorization: Bearer <api_key>` (401 otherwise)."""
     metrics = ServerMetrics(max_accept=getattr(engine.core.decoder, "block_size", 1) + 1)
 
     @asynccontextmanager
@@ -62,6 +64,21 @@ def create_app(engine: EngineLoop, tokenizer, *, model_name: str, method: str = 
                   openapi_url=None)
     app.state.engine, app.state.metrics, app.state.model_name = engine, metrics, model_name
     server = _Handlers(engine, tokenizer, metrics, model_name, method, max_body_bytes)
+
+    if api_key:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def authorize(request: Request, call_next):
+            given = request.headers.get("authorization", "").encode()
+            # compare_digest: the time taken says nothing of how much of the key matched
+            if request.url.path != "/health" and not hmac.compare_digest(given, expected):
+                error = APIError(401, "missing or incorrect API key: send the header "
+                                 "'Authorization: Bearer <key>' with the server's --api-key",
+                                 code="invalid_api_key")
+                metrics.errors.labels("401").inc()
+                return JSONResponse(error.body(), status_code=401)
+            return await call_next(request)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
@@ -102,6 +119,8 @@ def create_app(engine: EngineLoop, tokenizer, *, model_name: str, method: str = 
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         if engine.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
+        if engine.starting:
+            return JSONResponse({"status": "starting"}, status_code=503)
         return {"status": "ok", **engine.stats().to_json()}
 
     @app.get("/metrics")
@@ -289,6 +308,8 @@ class _Handlers:
             raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from e
         except Draining as e:
             raise APIError(503, str(e), type="service_unavailable", code="shutting_down") from e
+        except Starting as e:
+            raise APIError(503, str(e), type="service_unavailable", code="starting") from e
         except EngineDead as e:
             raise APIError(503, str(e), type="service_unavailable", code="engine_stopped") from e
         except InputError as e:
@@ -389,6 +410,7 @@ class _Run:
         self.accept_lengths += out.accept_lengths
         for a in out.accept_lengths:
             m.accept.observe(a)
+            m.verify_width.observe(out.verify_width)
 
     def usage(self) -> dict:
         return usage(self.prompt_tokens, self.completion_tokens, self.accept_lengths)

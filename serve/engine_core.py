@@ -24,7 +24,11 @@ Every step:
      (a preempted one takes its last emitted token back as the anchor);
   5. one decode call (`steps_per_call` target passes) runs over the decoding slots
      alone, gathered into a power-of-two number of rows (idle and prefilling slots are
-     not computed; no call at all when none decodes);
+     not computed; no call at all when none decodes); with a drafter under adaptive
+     speculation each call verifies either the whole block or no draft at all (a plain
+     AR step), as the decoder's `SpeculationPolicy` finds faster for the rows decoding,
+     from the calls it timed and each request's acceptance; a call with a sampled row
+     whose request gave a seed verifies the whole block, so that seed reproduces;
   6. new tokens are read back (one small transfer: each call returns what its rows
      gained); finished requests free their slots and pages.
 
@@ -95,6 +99,7 @@ class RequestOutput:
     accept_lengths: list[int]        # tokens emitted by each new target pass (1 for AR)
     prompt_tokens: int
     completion_tokens: int           # all tokens so far, EOS / stop token included
+    verify_width: int = 0            # drafts each of those passes verified (0: AR step)
 
 
 @dataclasses.dataclass
@@ -107,6 +112,8 @@ class EngineStats:
     num_pages: int
     free_pages: int
     preemptions: int        # requests preempted since the start (recomputed later)
+    speculation: str | None = None    # adaptive, fixed or off; None for AR
+    verify_widths: tuple[int, ...] = ()   # the widths decode calls may verify
 
     @property
     def free_slots(self) -> int:
@@ -136,6 +143,7 @@ class _Request:
     decoding: bool = False   # prefill complete, the row runs in decode calls
     read: int = 0            # the slot's output tokens already returned
     passes_read: int = 0
+    acceptance: object = None   # its AcceptanceStats under adaptive speculation
 
     @property
     def max_positions(self) -> int:
@@ -204,6 +212,14 @@ class EngineCore:
         self._news_width = slot_steps.news_width(decoder)
         self._state = slot_steps.empty_state(decoder, self._pages.table, num_pages,
                                              out_len=max_model_len)
+        # verify widths: the decoder's one width, or under adaptive speculation the two
+        # ends of its set (each width is a program per row bucket and sampling mode)
+        self._policy = decoder.speculation_policy()
+        default = decoder.default_width()
+        self._widths = ((self._policy.widths[0], self._policy.widths[-1]) if self._policy
+                        else (default,))
+        self._timing = None          # (decode width, rows, start, compiles) of this step
+        self._decode_width = None    # the verify width of this step's decode call
 
     @property
     def num_pages(self) -> int:
@@ -243,6 +259,8 @@ class EngineCore:
             raise QueueFull(f"the queue is full ({self.max_waiting} requests waiting)")
         seed = options.seed if options.seed is not None else secrets.randbits(62)
         request = _Request(request_id, [int(t) for t in prompt_token_ids], options, seed)
+        if self._policy is not None:
+            request.acceptance = self._policy.new_row()
         self._waiting.append(request)
         self._by_id[request_id] = request
 
@@ -274,7 +292,10 @@ class EngineCore:
                            waiting=len(self._waiting),
                            capacity_tokens=pages.num_pages * self.decoder.page_size,
                            used_tokens=used, num_pages=pages.num_pages,
-                           free_pages=pages.free_pages, preemptions=self.preemptions)
+                           free_pages=pages.free_pages, preemptions=self.preemptions,
+                           speculation=getattr(self.decoder, "speculation", None) and
+                           self.decoder.speculation.mode,
+                           verify_widths=tuple(w for w in self._widths if w is not None))
 
     def step(self) -> list[RequestOutput]:
         outputs = [self._output(r, [], [], "abort") for r in self._aborted]
@@ -282,9 +303,10 @@ class EngineCore:
         self._grow()
         self._admit()
         decoding = [s for s, r in self._running.items() if r.decoding]
-        self._prefill()
+        self._timing = None
+        prefilled = self._prefill()
         if decoding:         # rows that just started hold their first token already
-            self._decode()
+            self._decode(timed=not prefilled)
         if self._news:       # each running row was in one of the calls
             outputs += self._collect()
         return outputs
@@ -364,7 +386,7 @@ class EngineCore:
         start decoding."""
         rows = [r for r in self._running.values() if r.filled < len(r.fill)]
         if not rows:
-            return
+            return False
         g = slot_steps.bucket_up(len(rows), self._row_sizes)
         longest = max(len(r.fill) - r.filled for r in rows)
         t = slot_steps.bucket_up(min(longest, self.prefill_chunk), self._chunk_sizes)
@@ -375,6 +397,7 @@ class EngineCore:
             matrix[i, :f], matrix[i, f:f + len(chunk)] = fields, chunk
         starting = matrix[:, slot_steps.PREFILL_FIELDS.index("start_slot")]
         self._call("prefill", (self._shapes, g, t), starting, matrix, mode="filtered")
+        return True
 
     def _prefill_matrix(self, g: int, t: int) -> np.ndarray:
         """[g, F + t] int32: g padding rows (aimed at slot S) of a chunk of t."""
@@ -397,8 +420,9 @@ class EngineCore:
             r.decoding = True
         return slot_steps.pad_row(slot_steps.PREFILL_FIELDS, self.max_slots, **values), chunk
 
-    def _decode(self) -> None:
-        """One decode call over the decoding slots only, padded to a bucket of rows."""
+    def _decode(self, timed: bool = False) -> None:
+        """One decode call over the decoding slots only, padded to a bucket of rows;
+        `timed`: the step runs no other call, so its wall time is this call's."""
         decoding = sorted(s for s, r in self._running.items() if r.decoding)
         rows = slot_steps.bucket_up(len(decoding), self._row_sizes)
         slots = np.full((rows,), self.max_slots, np.int32)     # padding rows aim at slot S
@@ -408,7 +432,21 @@ class EngineCore:
         matrix[:len(decoding), read:read + 2] = [
             (self._running[s].read, self._running[s].passes_read) for s in decoding]
         mode = self._sampling_mode(matrix)
-        self._call("decode", (self._shapes, rows, mode), slots, matrix, mode=mode)
+        width = self._width(rows, [self._running[s] for s in decoding])
+        if timed and self._policy is not None:
+            self._timing = (width, rows, time.perf_counter(), self._steps.compiles)
+        self._call("decode", (self._shapes, rows, mode, width), slots, matrix, mode=mode,
+                   width=width)
+        self._decode_width = width
+
+    def _width(self, rows: int, requests: list[_Request]) -> int | None:
+        """The verify width of the next decode call over these requests."""
+        if self._policy is None:
+            return self._widths[0]
+        if any(r.options.seed is not None and r.options.temperature > 0 for r in requests):
+            return self._widths[-1]          # a seeded sample reproduces at one width only
+        return self._policy.choose(rows, [r.acceptance for r in requests],
+                                   widths=self._widths)
 
     def _sampling_mode(self, matrix: np.ndarray) -> str:
         """What a decode call's rows ask of the sampler (part of its key): all greedy (no
@@ -419,10 +457,11 @@ class EngineCore:
                                    column("top_p").view(np.float32), column("top_k"))
 
     def _call(self, name: str, key, slots: np.ndarray, matrix: np.ndarray, *,
-              mode: str) -> None:
+              mode: str, **static) -> None:
         """Run a call; its news (rows [slots]) wait for `_fetch`."""
         self._state, news = self._steps(name, key, self._params, self._state,
-                                        self._page_table(), jnp.asarray(matrix), mode=mode)
+                                        self._page_table(), jnp.asarray(matrix), mode=mode,
+                                        **static)
         self._news.append((slots, news))
 
     def _fetch(self) -> np.ndarray:
@@ -451,6 +490,7 @@ class EngineCore:
 
     def _collect(self) -> list[RequestOutput]:
         news = self._fetch().tolist()     # Python lists: cheaper to slice row by row
+        self._observe_timing(news)
         outputs = []
         for slot, r in list(self._running.items()):
             if not r.decoding:
@@ -466,19 +506,42 @@ class EngineCore:
                 hit_eos = last and last[0] in self.eos and not r.options.ignore_eos
                 reason = "stop" if hit_eos else "length"
             r.tokens += new
-            outputs.append(self._output(r, new, accepted, reason))
+            self._observe_acceptance(r, accepted, done or reason is not None)
+            outputs.append(self._output(r, new, accepted, reason, self._decode_width))
             if reason is not None:
                 self._by_id.pop(r.request_id, None)
                 self._release(r)
         return outputs
 
+    def _observe_timing(self, news: list[list[int]]) -> None:
+        """The policy learns the decode call's time per pass (a step with no prefill call
+        and no compilation)."""
+        if self._timing is None:
+            return
+        width, rows, start, compiles = self._timing
+        self._timing = None
+        if compiles != self._steps.compiles:
+            return
+        passes = max((news[s][1] - r.passes_read for s, r in self._running.items()
+                      if r.decoding), default=0)
+        self._policy.observe_call(rows, width, time.perf_counter() - start, passes)
+
+    def _observe_acceptance(self, r: _Request, accepted: list[int], finished: bool) -> None:
+        """Each pass's accepted drafts into the request's and the pool's statistics (a
+        finished request's last pass may be cut by EOS or its budget: not counted)."""
+        if self._policy is None or not accepted:
+            return
+        width = self._decode_width
+        for length in accepted[:-1] if finished else accepted:
+            self._policy.observe_pass(r.acceptance, width, min(length - 1, width))
+
     @staticmethod
     def _output(r: _Request, new: list[int], accepted: list[int],
-                reason: str | None) -> RequestOutput:
+                reason: str | None, width: int | None = None) -> RequestOutput:
         return RequestOutput(request_id=r.request_id, new_token_ids=new,
                              finished=reason is not None, finish_reason=reason,
                              accept_lengths=accepted, prompt_tokens=len(r.prompt),
-                             completion_tokens=len(r.tokens))
+                             completion_tokens=len(r.tokens), verify_width=width or 0)
 
     def warmup(self, modes: Sequence[str] = SAMPLING_MODES) -> float:
         """Compile before serving: every decode call (each row bucket x sampling mode in
@@ -490,12 +553,13 @@ class EngineCore:
             raise InputError(f"unknown sampling modes {unknown}; choose from {SAMPLING_MODES}")
         t0 = time.perf_counter()
         calls = []
-        for r, mode in itertools.product(self._row_sizes, modes):
+        for r, mode, width in itertools.product(self._row_sizes, modes, self._widths):
             matrix = self._idle_rows[np.full((r,), self.max_slots)]
-            calls.append(("decode", (self._shapes, r, mode), self._args(matrix), mode))
+            calls.append(("decode", (self._shapes, r, mode, width), self._args(matrix), mode,
+                          {"width": width}))
         for g, t in itertools.product(self._row_sizes, self._chunk_sizes):
             calls.append(("prefill", (self._shapes, g, t),
-                          self._args(self._prefill_matrix(g, t)), "filtered"))
+                          self._args(self._prefill_matrix(g, t)), "filtered", {}))
         self._steps.precompile(calls)
         n = max(1, min(8, self.max_model_len - self.decoder.extra_capacity - 2))
         self.add_request("__warmup", [0] * n, SamplingOptions(

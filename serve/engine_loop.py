@@ -8,7 +8,9 @@ request's outputs to that request's sink (for the server: an asyncio queue, fill
 Admission control happens on submit, before anything is queued: at most
 `max_slots + max_queue` requests are in the engine at once; one more is refused
 (`QueueFull`, the server's 429) instead of growing memory. After `drain()` every new
-request is refused (`Draining`, 503) while those in flight finish.
+request is refused (`Draining`, 503) while those in flight finish. A loop given a
+`warmup` runs it first, in the thread (the server compiles while it already answers:
+`starting` is true and requests are refused with `Starting`, 503).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from typing import Callable, Sequence
 
 from dspine_serve.engine_core import (EngineCore, EngineStats, QueueFull, RequestOutput,
@@ -24,7 +27,7 @@ from dspine_serve.engine_core import (EngineCore, EngineStats, QueueFull, Reques
 
 log = logging.getLogger("dspine_serve")
 
-__all__ = ["EngineLoop", "RequestStream", "QueueFull", "Draining", "EngineDead"]
+__all__ = ["EngineLoop", "RequestStream", "QueueFull", "Draining", "EngineDead", "Starting"]
 
 
 class Draining(Exception):
@@ -35,13 +38,23 @@ class EngineDead(Exception):
     """The engine thread stopped on an error; nothing more is served."""
 
 
+class Starting(Exception):
+    """The engine is still compiling; nothing is served yet."""
+
+
 Sink = Callable[[RequestOutput | BaseException], None]
 
 
 class EngineLoop:
     def __init__(self, core: EngineCore, *, max_queue: int = 256,
-                 on_step: Callable[[list[RequestOutput], EngineStats], None] | None = None):
+                 on_step: Callable[[list[RequestOutput], EngineStats], None] | None = None,
+                 warmup: Callable[[], object] | None = None,
+                 on_ready: Callable[[float], None] | None = None):
+        """warmup: run first in the engine thread (compilation); on_ready(seconds) after
+        it."""
         self.core = core
+        self._warmup, self._on_ready = warmup, on_ready
+        self._starting = warmup is not None
         self.capacity = core.max_slots + max_queue
         self.on_step = on_step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -73,6 +86,10 @@ class EngineLoop:
         return self._draining
 
     @property
+    def starting(self) -> bool:
+        return self._starting
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self._error is None
 
@@ -93,6 +110,9 @@ class EngineLoop:
             raise EngineDead(f"the engine stopped: {self._error!r}")
         if self._draining:
             raise Draining("the server is shutting down")
+        if self._starting:
+            raise Starting("the server is starting (compiling its programs); retry when "
+                           "GET /health answers 200")
         self.core.check_request(prompt_token_ids, options)
         with self._lock:
             if self._in_flight >= self.capacity:
@@ -119,6 +139,13 @@ class EngineLoop:
     # ----- the engine thread -----------------------------------------------------------
     def _run(self) -> None:
         try:
+            if self._warmup is not None:
+                start = time.perf_counter()
+                self._warmup()
+                self._stats = self.core.stats()
+                self._starting = False
+                if self._on_ready is not None:
+                    self._on_ready(time.perf_counter() - start)
             while True:
                 block = not self.core.has_work()
                 while True:

@@ -47,6 +47,10 @@ class ServerMetrics:
         self.accept = Histogram("dspine_accept_length", "Tokens emitted per target pass "
                                 "(1 for AR; up to the drafter's block size).",
                                 buckets=tuple(range(1, max_accept + 1)), registry=r)
+        self.verify_width = Histogram(
+            "dspine_verify_width", "Drafted tokens each target pass verified (0: a plain "
+            "AR step; adaptive speculation picks per decode call).",
+            buckets=(0, 1, 3, 7, 15, 31, 63), registry=r)
         self.ttft = Histogram("dspine_time_to_first_token_seconds", "Arrival to first "
                               "token.", buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("dspine_inter_token_latency_seconds", "Time per output token "

@@ -1,5 +1,9 @@
 """`dspine serve`: load a pipeline, compile, and serve it with uvicorn.
 
+The port is bound first (a busy one is an error at once), then the server answers while
+its programs compile in the engine thread (/health: 503 "starting", then 200), with
+JAX's persistent compilation cache so that a restart skips most of the compiling.
+
 Shutdown (SIGTERM or Ctrl-C): the listening socket closes and every new request gets 503
 at once; requests in flight run to their end for up to `grace_seconds`, then are
 cancelled (their slots freed); the engine thread stops; the process exits. (uvicorn
@@ -9,11 +13,15 @@ ended by SIGTERM: 143 in a shell.)
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import socket
 import time
+from pathlib import Path
 
 import uvicorn
 
+from dspine_jax.errors import InputError
 from dspine_serve.app import create_app
 from dspine_serve.engine_core import DEFAULT_PREFILL_CHUNK, EngineCore
 from dspine_serve.engine_loop import EngineLoop
@@ -36,35 +44,89 @@ class DrainingServer(uvicorn.Server):
 
 def build(pipeline, *, model_name: str, max_slots: int = 8, max_model_len: int | None = None,
           max_queue: int = 256, num_pages: int | None = None,
-          prefill_chunk: int = DEFAULT_PREFILL_CHUNK, warmup: bool = True):
-    """(app, engine) for a loaded `Pipeline`; compiles before returning when `warmup`.
-    num_pages: the KV page pool the slots share (default: a full max_model_len for
-    every slot); prefill_chunk: prompt tokens prefilled per step and request."""
+          prefill_chunk: int = DEFAULT_PREFILL_CHUNK, warmup: str | None = "now",
+          api_key: str | None = None, on_ready=None):
+    """(app, engine) for a loaded `Pipeline`. warmup: "now" compiles before returning,
+    "background" in the engine thread once the app starts (/health answers 503 "starting"
+    until it is done, then on_ready(seconds) is called), None not at all. num_pages: the
+    KV page pool the slots share (default: a full max_model_len for every slot);
+    prefill_chunk: prompt tokens prefilled per step and request; api_key: see
+    `create_app`."""
+    if warmup not in ("now", "background", None):
+        raise ValueError(f"warmup must be 'now', 'background' or None, got {warmup!r}")
     core = EngineCore(pipeline.decoder, max_slots=max_slots, max_model_len=max_model_len,
                       num_pages=num_pages, prefill_chunk=prefill_chunk)
-    if warmup:
+    if warmup == "now":
         seconds = core.warmup()
         log.info("compiled in %.1fs", seconds)
-    engine = EngineLoop(core, max_queue=max_queue)
+    engine = EngineLoop(core, max_queue=max_queue,
+                        warmup=core.warmup if warmup == "background" else None,
+                        on_ready=on_ready)
     app = create_app(engine, pipeline.tokenizer, model_name=model_name,
-                     method=pipeline.method)
+                     method=pipeline.method, api_key=api_key)
     return app, engine
 
 
-def run(pipeline, *, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-        max_slots: int = 8, max_model_len: int | None = None, max_queue: int = 256,
-        num_pages: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-        grace_seconds: float = 30.0, log_level: str = "info") -> None:
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound now: a busy port is an error before anything loads."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise InputError(f"cannot listen on {host}:{port}: {e.strerror or e} (another "
+                         "server on that port? pick another with --port)") from e
+    sock.set_inheritable(True)
+    return sock
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def use_compile_cache(folder: str | None) -> str | None:
+    """JAX's persistent compilation cache in `folder` (None or "none": off), so a restart
+    loads the programs it compiled before. -> the folder in use."""
+    if folder is None or folder.lower() == "none":
+        return None
+    import jax
+
+    path = Path(folder).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    # every program of the server, however quick its compile: a restart needs them all
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return str(path)
+
+
+def run(pipeline, *, model_name: str, sock: socket.socket, max_slots: int = 8,
+        max_model_len: int | None = None, max_queue: int = 256, num_pages: int | None = None,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK, grace_seconds: float = 30.0,
+        api_key: str | None = None, log_level: str = "info") -> None:
+    """Serve on `sock` (from `bind`) at once: the programs compile in the engine thread
+    while /health answers 503 "starting"."""
     t0 = time.perf_counter()
+    host, port = sock.getsockname()[:2]
+
+    def ready(seconds: float) -> None:
+        print(f"ready: compiled in {seconds:.1f}s ({time.perf_counter() - t0:.1f}s after "
+              "listening)", flush=True)
+
     app, engine = build(pipeline, model_name=model_name, max_slots=max_slots,
                         max_model_len=max_model_len, max_queue=max_queue,
-                        num_pages=num_pages, prefill_chunk=prefill_chunk)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=grace_seconds, lifespan="on",
-                            access_log=False)
+                        num_pages=num_pages, prefill_chunk=prefill_chunk,
+                        warmup="background", api_key=api_key, on_ready=ready)
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace_seconds,
+                            lifespan="on", access_log=False)
     server = DrainingServer(config, engine)
     print(f"serving {model_name} ({pipeline.method}, {max_slots} slots, context "
           f"{engine.core.max_model_len}, {engine.core.num_pages} KV pages of "
-          f"{pipeline.decoder.page_size}) on http://{host}:{port} after "
-          f"{time.perf_counter() - t0:.1f}s of compilation", flush=True)
-    server.run()
+          f"{pipeline.decoder.page_size}) on http://{host}:{port}; compiling: /health "
+          "answers 503 until ready", flush=True)
+    server.run(sockets=[sock])

@@ -141,25 +141,30 @@ class CompiledSteps:
         self.params = tuple(leaves)
         fns = {"prefill": functools.partial(prefill_rows, decoder, treedef),
                "decode": functools.partial(decode_rows, decoder, treedef)}
-        self._jit = {name: jax.jit(fn, donate_argnames=("state",),
-                                   static_argnames=("mode",)) for name, fn in fns.items()}
+        self._jit = {"prefill": jax.jit(fns["prefill"], donate_argnames=("state",),
+                                        static_argnames=("mode",)),
+                     "decode": jax.jit(fns["decode"], donate_argnames=("state",),
+                                       static_argnames=("mode", "width"))}
         self._executables: dict = {}
+        self.compiles = 0            # programs compiled so far (a timed call must see none)
 
-    def __call__(self, name: str, key, *args, mode: str = "filtered"):
-        """Run call `name` (compiled for `key` on first use)."""
+    def __call__(self, name: str, key, *args, mode: str = "filtered", **static):
+        """Run call `name` (compiled for `key` on first use); `static`: decode's width."""
         executable = self._executables.get((name, key))
         if executable is None:
-            executable = self._executables[(name, key)] = self._compile(name, args, mode)
+            executable = self._executables[(name, key)] = self._compile(name, args, mode,
+                                                                        static)
         return executable(*args)
 
-    def _compile(self, name: str, args, mode: str):
-        return self._jit[name].lower(*args, mode=mode).compile()
+    def _compile(self, name: str, args, mode: str, static: dict):
+        self.compiles += 1
+        return self._jit[name].lower(*args, mode=mode, **static).compile()
 
-    def precompile(self, calls: list[tuple[str, object, tuple, str]],
+    def precompile(self, calls: list[tuple[str, object, tuple, str, dict]],
                    workers: int | None = None) -> None:
-        """calls: (name, key, example args, sampling mode); keys already compiled are
-        skipped."""
-        todo = {(n, k): (a, g) for n, k, a, g in calls if (n, k) not in self._executables}
+        """calls: (name, key, example args, sampling mode, static arguments); keys already
+        compiled are skipped."""
+        todo = {(n, k): (a, g, s) for n, k, a, g, s in calls if (n, k) not in self._executables}
         if not todo:
             return
         workers = workers or min(len(todo), os.cpu_count() or 1)
@@ -220,8 +225,10 @@ def prefill_rows(decoder: BatchDecoder, treedef, params, state: DecodeState, pag
 
 
 def decode_rows(decoder: BatchDecoder, treedef, params, state: DecodeState, page_table,
-                rows, *, mode: str = "filtered") -> tuple[DecodeState, jax.Array]:
-    """steps_per_call target passes over the R slots that are decoding (rows [R, F]:
+                rows, *, mode: str = "filtered",
+                width: int | None = None) -> tuple[DecodeState, jax.Array]:
+    """steps_per_call target passes, each verifying `width` drafts (None: the decoder's
+    widest), over the R slots that are decoding (rows [R, F]:
     DECODE_FIELDS; padding: slot S); the other slots are not computed. The R rows' own
     fields are gathered into a state of R rows over the same page pools and scattered back
     after the call, so a step costs what R rows cost, and R, a power of two, compiles a
@@ -247,7 +254,8 @@ def decode_rows(decoder: BatchDecoder, treedef, params, state: DecodeState, page
         budget=gather(state.budget), pass_lengths=gather(state.pass_lengths),
         num_passes=gather(state.num_passes), rng=gather(state.rng))
     sampling = params_for_mode(a["temperature"], a["top_p"], a["top_k"], mode)
-    sub = decoder.decode(params, sub, sampling, a["ignore_eos"], decoder.steps_per_call)
+    sub = decoder.decode(params, sub, sampling, a["ignore_eos"], decoder.steps_per_call,
+                         width)
 
     def scatter(full, part):
         return full.at[slots].set(part, mode="drop")

@@ -212,7 +212,8 @@ def test_pipeline_load_checks_before_loading(loads_nothing):
 
 # The proposal options of every command that decodes: a bad value names the option and
 # what it takes; a proposal with nothing to propose (no drafter: AR) is refused.
-PROPOSAL_COMMANDS = {"generate": ["generate", "--prompt", "hi"], "serve": ["serve"],
+PROPOSAL_COMMANDS = {"generate": ["generate", "--prompt", "hi"],
+                     "serve": ["serve", "--port", "0"],           # any free port
                      "eval": ["eval", "--benchmarks", "mtbench", "--out", "{tmp}/eval"]}
 
 
@@ -252,6 +253,8 @@ def test_proposal_options_reach_the_pipeline(monkeypatch, tmp_path, command):
         raise InputError("stopped before loading")
 
     monkeypatch.setattr("dspine_jax.api.Pipeline.load", stop)
+    monkeypatch.setattr("dspine_jax.api.Pipeline.from_choice", stop)     # serve's load
+    monkeypatch.setattr("dspine_jax.api.load_target", lambda *a, **k: None)
     monkeypatch.setattr("dspine_jax.evaluation.run.evaluate", stop)
     line = [a.format(tmp=tmp_path) for a in PROPOSAL_COMMANDS[command]]
     drafter = ["--drafter", "smollm2-135m-instruct-dspine"]
@@ -374,3 +377,48 @@ def test_truncated_smollm2_gguf(smollm2_path, tmp_path):
     with pytest.raises(CheckpointError,
                        match=f"truncated: 5000000 of {smollm2_path.stat().st_size} bytes"):
         load_target(cut)
+
+
+# --speculation and --max-verify-width on every command that decodes: a bad value, a width
+# past the drafter's block and a setting with no drafter are one line each, before loading.
+DSPINE = ["--drafter", "smollm2-135m-instruct-dspine"]
+
+
+@pytest.mark.parametrize("command", PROPOSAL_COMMANDS)
+@pytest.mark.parametrize("args,message", [
+    (DSPINE + ["--speculation", "sometimes"],
+     "--speculation must be one of adaptive, fixed, off; got 'sometimes'"),
+    (DSPINE + ["--speculation", "fixed", "--max-verify-width", "0"],
+     "--max-verify-width 0 with --speculation fixed verifies no draft"),
+    (DSPINE + ["--max-verify-width", "16"],
+     "--max-verify-width 16 is more than the drafter drafts: its block of 16 tokens holds 15"),
+    (["--speculation", "fixed"], "--speculation and --max-verify-width set how many drafted"),
+])
+def test_speculation_options_are_checked_before_loading(loads_nothing, tmp_path, command,
+                                                        args, message):
+    from typer.testing import CliRunner
+
+    from dspine_jax.cli import app
+
+    line = [a.format(tmp=tmp_path) for a in PROPOSAL_COMMANDS[command]] + args
+    result = CliRunner().invoke(app, line)
+    assert result.exit_code == 2, result.output
+    assert "error: " in result.output and message in result.output
+    assert "Traceback" not in result.output
+
+
+def test_a_busy_port_is_an_error_before_loading(loads_nothing):
+    import socket
+
+    from typer.testing import CliRunner
+
+    from dspine_jax.cli import app
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(app, ["serve", "--port", str(port)])
+    assert result.exit_code == 2, result.output
+    assert f"cannot listen on 127.0.0.1:{port}" in result.output
+    assert "Traceback" not in result.output

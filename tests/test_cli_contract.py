@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -114,7 +115,11 @@ def test_help_is_not_cut_at_80_columns(words, shown):
 
 
 def test_installed_command_help_at_80_columns():
-    result = subprocess.run(["dspine", "generate", "--help"], capture_output=True, text=True,
+    # the console script pip installed beside this interpreter (a venv not on PATH), else
+    # the one on PATH
+    beside = Path(sys.executable).parent / "dspine"
+    command = str(beside) if beside.exists() else "dspine"
+    result = subprocess.run([command, "generate", "--help"], capture_output=True, text=True,
                             env={**os.environ, "COLUMNS": "80"}, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "[default: smollm2-135m-instruct]" in result.stdout and "<bool>" not in result.stdout

@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from dspine_jax.api import Pipeline
 from dspine_jax.checkpoints import load_target
 from dspine_jax.errors import InputError
+from dspine_jax.speculative.policy import SpeculationConfig
 from dspine_serve.offline import generate as generate_in_slots
 
 PROMPTS = ["the quick brown fox", "hello world", "def f(x):", "the lazy dog", "over the",
@@ -30,7 +31,9 @@ def loaded(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def dspine(loaded, tiny_dspine_dir) -> Pipeline:
-    return Pipeline.from_loaded(loaded, tiny_dspine_dir, serving=True)
+    # fixed widths: the slot engine's calls and the static batch's then run the same passes
+    return Pipeline.from_loaded(loaded, tiny_dspine_dir, serving=True,
+                                speculation=SpeculationConfig("fixed"))
 
 
 @pytest.mark.parametrize("method", ["dspine", "ar"])

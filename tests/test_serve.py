@@ -32,6 +32,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from dspine_jax.api import Pipeline  # noqa: E402
 from dspine_jax.checkpoints import load_target  # noqa: E402
 from dspine_jax.errors import InputError  # noqa: E402
+from dspine_jax.speculative.policy import SpeculationConfig  # noqa: E402
 from dspine_serve.detokenizer import IncrementalDetokenizer  # noqa: E402
 from dspine_serve.engine_core import EngineCore, SamplingOptions  # noqa: E402
 from dspine_serve.server import DrainingServer, build  # noqa: E402
@@ -52,8 +53,10 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def pipe(tiny_llama_dir, tiny_dspine_dir) -> Pipeline:
+    # fixed widths: served and offline rows then run the same passes (adaptive serving:
+    # tests/test_speculation.py)
     return Pipeline.from_loaded(load_target(tiny_llama_dir, dtype="f32"), tiny_dspine_dir,
-                                serving=True)
+                                serving=True, speculation=SpeculationConfig("fixed"))
 
 
 @pytest.fixture(scope="module")
@@ -310,9 +313,9 @@ def test_detokenizer_holds_back_stop_strings_and_partial_characters(pipe):
 class Served:
     """uvicorn in a thread on 127.0.0.1 (a free port), over an app from `build`."""
 
-    def __init__(self, pipe, *, max_queue=64, grace=30.0):
+    def __init__(self, pipe, *, max_queue=64, grace=30.0, **options):
         self.app, self.engine = build(pipe, model_name="tiny", max_slots=SLOTS,
-                                      max_model_len=CONTEXT, max_queue=max_queue)
+                                      max_model_len=CONTEXT, max_queue=max_queue, **options)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
@@ -679,11 +682,69 @@ def test_bench_serve_duration_is_a_soak(served, tmp_path):
         bench_serve(served.url, prompts=str(prompts), num_prompts=3, duration=0)
 
 
+def test_api_key_guards_every_route_but_health(pipe):
+    """With an API key: the official client with the key is served, with a wrong one or
+    none it gets 401 and an OpenAI error body; /health stays open."""
+    openai = pytest.importorskip("openai")
+    s = Served(pipe, api_key="sekret-key")
+    try:
+        def client(key):
+            return openai.OpenAI(base_url=s.url + "/v1", api_key=key, max_retries=0,
+                                 timeout=60, http_client=httpx.Client(trust_env=False))
+        done = client("sekret-key").completions.create(model="tiny", prompt="hello",
+                                                       max_tokens=3, temperature=0)
+        assert done.usage.completion_tokens == 3
+        with pytest.raises(openai.AuthenticationError) as e:
+            client("sekret-kez").models.list()
+        assert e.value.body["code"] == "invalid_api_key"
+        bare = httpx.post(s.url + "/v1/completions", timeout=10, trust_env=False,
+                          json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+        assert bare.status_code == 401 and bare.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(s.url + "/metrics", timeout=10, trust_env=False).status_code == 401
+        assert httpx.get(s.url + "/health", timeout=10, trust_env=False).status_code == 200
+    finally:
+        s.stop()
+
+
+def test_health_says_starting_while_the_engine_compiles(pipe, monkeypatch):
+    """A server whose engine compiles in the background answers at once: /health 503
+    "starting" and requests 503 until the compiling is done, then 200."""
+    release = threading.Event()
+    ready = []
+    real = EngineCore.warmup
+
+    def slow_warmup(core, *args, **kwargs):
+        release.wait(60)
+        return real(core, *args, **kwargs)
+
+    monkeypatch.setattr(EngineCore, "warmup", slow_warmup)
+    s = Served(pipe, warmup="background", on_ready=ready.append)
+    try:
+        health = httpx.get(s.url + "/health", timeout=10, trust_env=False)
+        assert health.status_code == 503 and health.json() == {"status": "starting"}
+        early = httpx.post(s.url + "/v1/completions", timeout=10, trust_env=False,
+                           json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+        assert early.status_code == 503 and early.json()["error"]["code"] == "starting"
+        release.set()
+        deadline = time.monotonic() + 120
+        while httpx.get(s.url + "/health", timeout=10, trust_env=False).status_code != 200:
+            assert time.monotonic() < deadline, "never ready"
+            time.sleep(0.05)
+        assert len(ready) == 1 and ready[0] > 0
+        late = httpx.post(s.url + "/v1/completions", timeout=30, trust_env=False,
+                          json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+        assert late.status_code == 200
+    finally:
+        release.set()
+        s.stop()
+
+
 # ----- the command, as a process -------------------------------------------------------------
-def start_server(target: Path, port: int) -> subprocess.Popen:
+def start_server(target: Path, port: int, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "dspine_jax", "serve", "--target", str(target), "--port",
-         str(port), "--max-slots", "2", "--max-model-len", "64", "--grace-seconds", "5"],
+         str(port), "--max-slots", "2", "--max-model-len", "64", "--grace-seconds", "5",
+         *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
@@ -702,17 +763,19 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 180.0) -> No
     raise AssertionError(f"no healthy server at {url} after {timeout}s")
 
 
-def test_serve_command_restarts_after_kill_and_exits_on_sigterm(tiny_llama_dir):
+def test_serve_command_restarts_after_kill_and_exits_on_sigterm(tiny_llama_dir, tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     body = {"model": str(tiny_llama_dir), "prompt": "hello", "max_tokens": 5}
-    first = start_server(tiny_llama_dir, port)
+    cache = tmp_path / "compiled"
+    first = start_server(tiny_llama_dir, port, "--compile-cache-dir", str(cache))
     try:
         wait_healthy(first, url)
         assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 200
+        assert any(cache.iterdir())          # the programs a restart loads instead
         first.kill()
         first.wait(30)
-        second = start_server(tiny_llama_dir, port)
+        second = start_server(tiny_llama_dir, port, "--compile-cache-dir", str(cache))
         try:
             wait_healthy(second, url)
             r = httpx.post(url + "/v1/completions", json=body, timeout=30)

@@ -50,12 +50,15 @@ def measure() -> dict:
     "agree": prompts whose DFlash and DSpine tokens are equal, "prompts": count}."""
     from dspine_jax.api import Pipeline
     from dspine_jax.checkpoints import load_target
+    from dspine_jax.speculative.policy import SpeculationConfig
 
     prompts = quality_prompts()
     loaded = load_target(TARGET, dtype="f32")
     tau, tokens = {}, {}
     for kind in KINDS:
-        pipe = Pipeline.from_loaded(loaded, drafter=f"{TARGET}-{kind}")
+        # every pass verifies the whole block: tau measures the drafter
+        pipe = Pipeline.from_loaded(loaded, drafter=f"{TARGET}-{kind}",
+                                    speculation=SpeculationConfig("fixed"))
         results = pipe.generate(prompts, chat=True, max_new_tokens=MAX_NEW_TOKENS,
                                 batch_size=BATCH)
         passes = [n for r in results for n in r.accept_lengths]

@@ -16,13 +16,14 @@ from pathlib import Path
 import jax
 from tqdm import tqdm
 
-from dspine_jax.api import (Pipeline, Prompt, check_attention_backend, check_proposal,
-                            resolve_method)
+from dspine_jax.api import (MethodChoice, Pipeline, Prompt, check_attention_backend,
+                            check_proposal, check_speculation, resolve_method)
 from dspine_jax.checkpoints import load_target, resolve_dtype
 from dspine_jax.decoding import mean_accept_length, padded_batch
 from dspine_jax.drafters import DEFAULT_PROPOSAL, DEFAULT_PROPOSAL_KERNEL
 from dspine_jax.errors import InputError
 from dspine_jax.evaluation.benchmarks import load_benchmark
+from dspine_jax.speculative.policy import SpeculationConfig
 
 
 def fitting_prompts(pipe: Pipeline, prompts: list[dict], room: int,
@@ -54,6 +55,7 @@ def run_method(pipe: Pipeline, fitting: list[list[int]], skipped: int, *, batch_
     of its last prompt, left out of the counts), so one compiled shape serves all."""
     tokens = 0
     accept_lengths: list[int] = []
+    widths: Counter = Counter()   # passes per verify width
     seconds = 0.0
     for start in range(0, len(fitting), batch_size):
         chunk = fitting[start:start + batch_size]
@@ -63,10 +65,12 @@ def run_method(pipe: Pipeline, fitting: list[list[int]], skipped: int, *, batch_
         for g in batch.generations[:len(chunk)]:
             tokens += len(g.tokens)
             accept_lengths += g.accept_lengths
+            widths.update(g.verify_widths)
     return {"prompts": len(fitting), "skipped_too_long": skipped,
             "tokens": tokens, "seconds": seconds, "compile_seconds": compile_seconds,
             "tokens_per_second": tokens / max(seconds, 1e-9),
-            "accept_length": mean_accept_length(accept_lengths)}  # pooled over prompts
+            "accept_length": mean_accept_length(accept_lengths),  # pooled over prompts
+            "verify_widths": {str(w): widths[w] for w in sorted(widths)}}
 
 
 def run_benchmark(pipes: dict[str, Pipeline], prompts: list[dict], *, batch_size: int,
@@ -110,7 +114,11 @@ def evaluate(target: str, drafters: list[str], benchmarks: list[str], out: Path,
              batch_size: int = 8, seed: int = 0, dtype: str = "auto",
              max_prompt_tokens: int | None = None, attention_backend: str = "auto",
              proposal: str = DEFAULT_PROPOSAL,
-             proposal_kernel: str = DEFAULT_PROPOSAL_KERNEL) -> dict:
+             proposal_kernel: str = DEFAULT_PROPOSAL_KERNEL,
+             speculation: SpeculationConfig | None = None) -> dict:
+    """Every method on every benchmark, side by side (see the module's docstring).
+    `speculation` defaults to fixed: every pass verifies the whole block, so the acceptance
+    length measures the drafter; adaptive reports the speed a user of `generate` gets."""
     # Every check before the target loads (seconds to minutes): the output folder, the
     # drafters (each decodes with its own kind), the dtype, the proposal path (every
     # drafter's; without drafters only AR runs) and the benchmark prompts.
@@ -120,6 +128,11 @@ def evaluate(target: str, drafters: list[str], benchmarks: list[str], out: Path,
     choices = [resolve_method(target, d, None) for d in drafters]
     drafters = [str(c.drafter) for c in choices]
     check_proposal(proposal, proposal_kernel, None if choices else "ar")
+    if speculation is not None and not choices:
+        check_speculation(speculation, MethodChoice("ar", None))   # refused: nothing drafts
+    speculation = speculation or SpeculationConfig("fixed")
+    for choice in choices:
+        check_speculation(speculation, choice)
     resolve_dtype(dtype)
     check_attention_backend(attention_backend)
     suites = {name: load_benchmark(name)[:limit] for name in benchmarks}
@@ -127,7 +140,8 @@ def evaluate(target: str, drafters: list[str], benchmarks: list[str], out: Path,
     out.mkdir(parents=True, exist_ok=True)
     pipes = {"ar": Pipeline.from_loaded(loaded, attention_backend=attention_backend)}
     drafter_pipes = [Pipeline.from_choice(loaded, choice, attention_backend=attention_backend,
-                                          proposal=proposal, proposal_kernel=proposal_kernel)
+                                          proposal=proposal, proposal_kernel=proposal_kernel,
+                                          speculation=speculation)
                      for choice in choices]
     for label, pipe in zip(drafter_labels([p.method for p in drafter_pipes], drafters),
                            drafter_pipes):
@@ -151,6 +165,7 @@ def evaluate(target: str, drafters: list[str], benchmarks: list[str], out: Path,
               "max_prompt_tokens": room,
               "attention_backend": pipes["ar"].decoder.attention.name,
               "proposal": proposal, "proposal_kernel": proposal_kernel,
+              **speculation.to_json(),
               "benchmarks": table, "mean": mean}
     (out / "results.json").write_text(json.dumps(report, indent=2))
     (out / "results.md").write_text(markdown(report))

@@ -31,6 +31,7 @@ Shape legend: B batch, K block size, S = K - 1 drafted slots, C candidates, V vo
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Protocol
 
 import jax
@@ -157,6 +158,23 @@ class SplicedProposal:
         b, s, _ = self.candidates.shape
         return tail.at[jnp.arange(b)[:, None, None], jnp.arange(s)[None, :, None],
                        self.candidates].set(self.q)
+
+
+SLOT_FIELDS = ("tokens", "q_tokens", "candidates", "q", "logits", "tau", "log_norm")
+
+
+def proposal_prefix(proposal, width: int):
+    """The proposal of the first `width` slots only (the verify width): every per-slot
+    array cut on its slot axis, so `q_row(width)` is the bonus row (zeros), as
+    verification of a shorter block needs. Any proposal kind above."""
+    if width == proposal.tokens.shape[1]:
+        return proposal
+    changes = {f.name: getattr(proposal, f.name)[:, :width]
+               for f in dataclasses.fields(proposal)
+               if f.name in SLOT_FIELDS and getattr(proposal, f.name) is not None}
+    if getattr(proposal, "tail", None) is not None:
+        changes["tail"] = proposal_prefix(proposal.tail, width)
+    return proposal.replace(**changes)
 
 
 class Proposer(Protocol):

@@ -1,0 +1,264 @@
+"""Adaptive speculation: how many drafted tokens the target verifies in the next call.
+
+A pass that verifies the first k drafts (k from a small compiled set; k = 0 is a plain AR
+step that skips the drafter) emits, per row, in expectation
+
+    E_k = 1 + sum_{j <= k} prod_{i <= j} alpha_i
+
+tokens, alpha_i being the row's rate of accepting slot i once slots 1 .. i-1 were accepted
+(`acceptance.expected_tokens`), and costs c(B, k) seconds for the whole batch of B rows.
+The policy verifies the width that maximises sum over rows of E_k / c(B, k): wide blocks
+where passes are cheap (a GPU at small batch: a pass reads the weights once however many
+tokens it verifies), narrow ones or none where each verified token costs compute (a CPU,
+large batches). Verification is exact for every k (the rule on a prefix of the block is
+the same rule), so the choice changes speed, never the output's distribution; at T = 0 the
+tokens are the same for every k.
+
+Both inputs are measured as decoding runs, host-side, with no device work of their own:
+  AcceptanceStats  per row (a request), decayed counts of slots reached and accepted,
+                   with the pool of every row seen as the prior of a new one
+  CostTable        seconds per pass by (batch, width), from the wall time of each call;
+                   a width not yet run is interpolated in verified tokens
+The first calls of a batch shape run the widest width, then a plain step, to measure
+both ends; then the policy re-runs the end it has not run lately every `probe_every` calls
+or, where that end costs much more than the chosen width, as seldom as keeps the probes
+under `probe_budget` of the time, so acceptance of deep slots and the cost of the cheap
+step stay current. The costs and the pooled acceptance are saved in a small JSON file
+per device, target and drafter (`save`/`load`), so a new process starts where the last
+one stopped instead of measuring again.
+
+Seeds: a sampled (T > 0) output follows the target's distribution under every width, but
+which sample a seed gives depends on the widths run, and the adaptive widths depend on
+timings. `fixed` (every pass the widest width) reproduces a seed's output exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from pathlib import Path
+
+from dspine_jax.errors import InputError
+
+MODES = ("adaptive", "fixed", "off")
+DEFAULT_MODE = "adaptive"
+# Verify widths the adaptive policy compiles: the block's anchor plus k drafts makes
+# 1, 2, 4, 8, 16 verified tokens, shapes every attention kernel tiles well.
+ADAPTIVE_WIDTHS = (0, 1, 3, 7, 15)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculationConfig:
+    """mode: adaptive (the width per call from measured costs and acceptance), fixed (every
+    pass verifies `max_verify_width` drafts) or off (every pass a plain AR step: the
+    drafter runs only to keep its context). max_verify_width: at most this many drafts
+    verified per pass; None is the drafter's whole block (block size - 1)."""
+    mode: str = DEFAULT_MODE
+    max_verify_width: int | None = None
+
+    def validate(self, block_size: int | None = None) -> None:
+        if self.mode not in MODES:
+            raise InputError(f"--speculation must be one of {', '.join(MODES)}; "
+                             f"got {self.mode!r}")
+        w = self.max_verify_width
+        if w is None:
+            return
+        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+            raise InputError(f"--max-verify-width must be a non-negative integer, got {w!r}")
+        if w == 0 and self.mode == "fixed":
+            raise InputError("--max-verify-width 0 with --speculation fixed verifies no "
+                             "draft: that is AR decoding (--method ar, or --speculation off)")
+        if block_size is not None and w > block_size - 1:
+            raise InputError(f"--max-verify-width {w} is more than the drafter drafts: its "
+                             f"block of {block_size} tokens holds {block_size - 1} drafts")
+
+    def widths(self, block_size: int) -> tuple[int, ...]:
+        """The verify widths this mode may run, ascending (each is one compiled program)."""
+        top = block_size - 1 if self.max_verify_width is None else self.max_verify_width
+        if self.mode == "off":
+            return (0,)
+        if self.mode == "fixed":
+            return (top,)
+        return tuple(sorted({w for w in ADAPTIVE_WIDTHS if w < top} | {top}))
+
+    def to_json(self) -> dict:
+        return {"speculation": self.mode, "max_verify_width": self.max_verify_width}
+
+
+def expected_tokens(alpha: list[float], width: int) -> float:
+    """E_width = 1 + sum_{j <= width} prod_{i <= j} alpha_i (host floats)."""
+    total, run = 1.0, 1.0
+    for a in alpha[:width]:
+        run *= a
+        total += run
+    return total
+
+
+class AcceptanceStats:
+    """Decayed counts per drafted slot i (1-based): passes that verified slot i with every
+    earlier slot accepted ("reached"), and those that kept it. alpha_i = kept / reached,
+    pulled towards `prior` (weight `prior_weight` passes) while few passes are seen."""
+
+    def __init__(self, slots: int, *, decay: float = 0.98, prior: list[float] | None = None,
+                 prior_weight: float = 2.0):
+        self.slots, self.decay, self.prior_weight = slots, decay, prior_weight
+        self.prior = list(prior) if prior is not None else [0.5] * slots
+        self.reached = [0.0] * slots
+        self.kept = [0.0] * slots
+
+    def observe(self, width: int, accepted: int) -> None:
+        """One pass that verified `width` drafts and kept the first `accepted`."""
+        if width == 0:
+            return
+        for i in range(self.slots):
+            self.reached[i] *= self.decay
+            self.kept[i] *= self.decay
+        for i in range(min(accepted + 1, width)):     # slots 1 .. accepted + 1 were tried
+            self.reached[i] += 1.0
+        for i in range(min(accepted, width)):
+            self.kept[i] += 1.0
+
+    def alpha(self) -> list[float]:
+        w = self.prior_weight
+        return [(k + w * p) / (r + w) if r + w > 0 else p
+                for k, r, p in zip(self.kept, self.reached, self.prior)]
+
+    def expected_tokens(self, width: int) -> float:
+        return expected_tokens(self.alpha(), width)
+
+
+class CostTable:
+    """Seconds per pass by (batch rows, verify width): the mean of the latest calls
+    (exponential, weight `smoothing` for the newest). A width not yet measured at a batch
+    is interpolated linearly in verified tokens (width + 1) between the measured widths
+    around it, or held at the nearest measured one beyond them."""
+
+    def __init__(self, smoothing: float = 0.3):
+        self.smoothing = smoothing
+        self.seconds: dict[tuple[int, int], float] = {}
+
+    def observe(self, rows: int, width: int, seconds_per_pass: float) -> None:
+        key = (rows, width)
+        old = self.seconds.get(key)
+        self.seconds[key] = (seconds_per_pass if old is None else
+                             (1 - self.smoothing) * old + self.smoothing * seconds_per_pass)
+
+    def measured(self, rows: int) -> dict[int, float]:
+        return {w: s for (r, w), s in self.seconds.items() if r == rows}
+
+    def estimate(self, rows: int, width: int) -> float | None:
+        known = self.measured(rows)
+        if width in known:
+            return known[width]
+        if not known:
+            return None
+        below = [w for w in known if w < width]
+        above = [w for w in known if w > width]
+        if below and above:
+            lo, hi = max(below), min(above)
+            t = (width - lo) / (hi - lo)
+            return known[lo] + t * (known[hi] - known[lo])
+        return known[max(below)] if below else known[min(above)]
+
+    def rows(self) -> list[int]:
+        return sorted({r for r, _ in self.seconds})
+
+
+class SpeculationPolicy:
+    """Picks each call's verify width; `observe_call` and `observe_pass` feed it."""
+
+    def __init__(self, config: SpeculationConfig, block_size: int, *, probe_every: int = 16,
+                 probe_budget: float = 0.03, tolerance: float = 0.05,
+                 costs: CostTable | None = None):
+        self.config = config
+        self.slots = block_size - 1
+        self.widths = config.widths(block_size)
+        self.probe_every, self.probe_budget, self.tolerance = probe_every, probe_budget, tolerance
+        self.costs = costs or CostTable()
+        self.pool = AcceptanceStats(self.slots, decay=0.995)   # every row: a new row's prior
+        self.calls: dict[int, int] = {}                          # calls per batch size
+        self.last_run: dict[tuple[int, int], int] = {}           # (rows, width) -> call
+
+    def new_row(self) -> AcceptanceStats:
+        return AcceptanceStats(self.slots, prior=self.pool.alpha(), prior_weight=4.0)
+
+    def observe_pass(self, stats: AcceptanceStats, width: int, accepted: int) -> None:
+        stats.observe(width, accepted)
+        self.pool.observe(width, accepted)
+
+    def observe_call(self, rows: int, width: int, seconds: float, passes: int) -> None:
+        if passes > 0 and seconds > 0:
+            self.costs.observe(rows, width, seconds / passes)
+
+    def scores(self, rows: int, active: list[AcceptanceStats]) -> dict[int, float]:
+        """Expected tokens per second of each width for these rows (None where unknown)."""
+        out = {}
+        for w in self.widths:
+            cost = self.costs.estimate(rows, w)
+            if cost is not None:
+                out[w] = sum(s.expected_tokens(w) for s in active) / max(cost, 1e-12)
+        return out
+
+    def choose(self, rows: int, active: list[AcceptanceStats],
+               widths: tuple[int, ...] | None = None) -> int:
+        """The width of the next call over a batch of `rows` rows, `active` the stats of
+        the rows still decoding; `widths`: a subset of the policy's to choose from (the
+        programs a caller compiled)."""
+        widths = widths or self.widths
+        if len(widths) == 1:
+            return widths[0]
+        call = self.calls.get(rows, 0)
+        self.calls[rows] = call + 1
+        lo, hi = widths[0], widths[-1]
+        known = self.costs.measured(rows)
+        # measure both ends first: the widest (fixed speculation), then a plain step
+        for end in (hi, lo):
+            if end not in known:
+                return self._ran(rows, end, call)
+        scores = {w: s for w, s in self.scores(rows, active or [self.pool]).items()
+                  if w in widths}
+        best = max(scores.values())
+        # the widest width within the tolerance of the best: ties go to speculation
+        width = max(w for w, s in scores.items() if s >= (1 - self.tolerance) * best)
+        # the end least recently run, to refresh what the chosen width cannot see
+        end = min((lo, hi), key=lambda w: self.last_run.get((rows, w), -1))
+        if end != width:
+            extra = max(0.0, known[end] / self.costs.estimate(rows, width) - 1)
+            every = max(self.probe_every, math.ceil(extra / self.probe_budget))
+            if call - self.last_run.get((rows, end), -1) >= every:
+                width = end
+        return self._ran(rows, width, call)
+
+    # ----- kept between processes ----------------------------------------------------------
+    def to_json(self) -> dict:
+        return {"costs": [[r, w, s] for (r, w), s in sorted(self.costs.seconds.items())],
+                "acceptance": self.pool.alpha()}
+
+    def save(self, path: Path) -> None:
+        """Write the measured costs and pooled acceptance (atomically: a reader never sees
+        half a file)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(self.to_json()))
+        os.replace(tmp, path)
+
+    def load(self, path: Path) -> bool:
+        """Start from a saved file's costs and acceptance (as a prior); a missing or
+        unreadable file changes nothing. -> whether one was read."""
+        try:
+            saved = json.loads(Path(path).read_text())
+            costs = {(int(r), int(w)): float(sec) for r, w, sec in saved["costs"]}
+            alpha = [float(a) for a in saved["acceptance"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        if len(alpha) != self.slots:
+            return False
+        self.costs.seconds.update({k: v for k, v in costs.items() if k[1] in self.widths})
+        self.pool.prior = alpha
+        return True
+
+    def _ran(self, rows: int, width: int, call: int) -> int:
+        self.last_run[(rows, width)] = call
+        return width

@@ -1,0 +1,270 @@
+"""Adaptive speculation: every verify width is lossless, and the policy picks widths the
+way its cost table and acceptance statistics say (synthetic tables, no JAX there)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from dspine_jax.engine import SpeculativeEngine
+from dspine_jax.errors import InputError
+from dspine_jax.generate import AutoregressiveGenerator
+from dspine_jax.speculative.policy import (AcceptanceStats, CostTable, SpeculationConfig,
+                                           SpeculationPolicy, expected_tokens)
+from tests.test_engine import (PROMPTS, SAMPLING, SMALL, build, chi2_pvalue,
+                               exact_two_token_distribution, sample_pairs)
+
+
+# ----- the policy, host-only ------------------------------------------------------------------
+def policy_with(costs: dict[int, float], alpha: float, rows: int = 1,
+                **config) -> tuple[SpeculationPolicy, list[AcceptanceStats]]:
+    """A policy over a 16-token block whose costs per width are `costs` (seconds per pass)
+    and whose rows accept every slot with probability `alpha`."""
+    policy = SpeculationPolicy(SpeculationConfig("adaptive", **config), 16)
+    for width, seconds in costs.items():
+        policy.observe_call(rows, width, seconds * 16, 16)
+    rng = np.random.default_rng(0)
+    stats = []
+    for _ in range(rows):
+        s = policy.new_row()
+        for _ in range(400):            # a long run of passes at the widest width
+            kept = rng.random(15) < alpha
+            policy.observe_pass(s, 15, int(np.argmin(kept)) if not kept.all() else 15)
+        stats.append(s)
+    return policy, stats
+
+
+def test_expected_tokens_is_the_chain_rule():
+    assert expected_tokens([0.5] * 15, 0) == 1.0
+    assert expected_tokens([0.5] * 15, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens([1.0] * 15, 15) == 16.0
+
+
+def test_acceptance_stats_count_the_slots_a_pass_reached():
+    s = AcceptanceStats(4, decay=1.0, prior_weight=0.0)
+    s.observe(4, 2)      # slots 1, 2 kept, slot 3 rejected, slot 4 never tried
+    s.observe(2, 2)      # both verified slots kept
+    s.observe(0, 0)      # a plain step tells nothing about the drafts
+    assert s.reached == [2, 2, 1, 0] and s.kept == [2, 2, 0, 0]
+    assert s.alpha()[:3] == [1.0, 1.0, 0.0]
+
+
+def test_draft_cannot_pay_picks_a_plain_step():
+    # a CPU: every verified token costs compute and the draft costs 3 plain steps
+    costs = {0: 1.0, 1: 3.2, 3: 3.6, 7: 4.4, 15: 6.0}
+    policy, stats = policy_with(costs, alpha=0.6)
+    assert [policy.choose(1, stats) for _ in range(10)] == [0] * 10
+
+
+def test_cheap_passes_pick_the_widest_width():
+    # a GPU at batch 1: a pass reads the weights once, 16 tokens cost 1.3 steps
+    costs = {0: 1.0, 1: 1.15, 3: 1.17, 7: 1.2, 15: 1.3}
+    policy, stats = policy_with(costs, alpha=0.8)
+    assert [policy.choose(1, stats) for _ in range(10)] == [15] * 10
+
+
+def test_in_between_a_middle_width_wins():
+    # large batch: verify cost grows with the tokens, acceptance falls off after 3 slots
+    costs = {0: 1.0, 1: 1.2, 3: 1.4, 7: 2.2, 15: 3.6}
+    policy, stats = policy_with(costs, alpha=0.7)
+    assert policy.choose(1, stats) == 3
+    scores = policy.scores(1, stats)
+    assert max(scores, key=scores.get) == 3
+
+
+def test_both_ends_are_measured_first_then_probed():
+    policy = SpeculationPolicy(SpeculationConfig("adaptive"), 16, probe_every=4,
+                               probe_budget=10.0)
+    stats = [policy.new_row()]
+    assert policy.choose(2, stats) == 15           # nothing known: fixed speculation first
+    policy.observe_call(2, 15, 16 * 1.3, 16)
+    assert policy.choose(2, stats) == 0            # then a plain step
+    policy.observe_call(2, 0, 16 * 1.0, 16)
+    for _ in range(50):
+        policy.observe_pass(stats[0], 15, 14)      # everything accepted: 15 pays
+    picks = [policy.choose(2, stats) for _ in range(12)]
+    assert picks.count(0) >= 2 and picks.count(15) >= 8   # the plain step is re-measured
+
+
+def test_an_expensive_probe_is_rare():
+    costs = {0: 1.0, 15: 5.0}
+    policy, stats = policy_with(costs, alpha=0.3)
+    picks = [policy.choose(1, stats) for _ in range(200)]
+    # 4 extra steps per probe, at most 3% of the time: one probe in 134 calls or fewer
+    assert 1 <= picks.count(15) <= 2
+
+
+def test_unmeasured_widths_are_interpolated():
+    table = CostTable()
+    table.observe(8, 0, 1.0)
+    table.observe(8, 15, 2.5)
+    assert table.estimate(8, 7) == pytest.approx(1.0 + 7 / 15 * 1.5)
+    assert table.estimate(8, 15) == 2.5 and table.estimate(4, 3) is None
+
+
+def test_fixed_and_off_have_one_width():
+    assert SpeculationConfig("fixed").widths(16) == (15,)
+    assert SpeculationConfig("fixed", 5).widths(16) == (5,)
+    assert SpeculationConfig("off").widths(16) == (0,)
+    assert SpeculationConfig("adaptive").widths(16) == (0, 1, 3, 7, 15)
+    assert SpeculationConfig("adaptive", 5).widths(16) == (0, 1, 3, 5)
+
+
+@pytest.mark.parametrize("config, block, message", [
+    (SpeculationConfig("sometimes"), 16, "--speculation must be one of"),
+    (SpeculationConfig("fixed", 0), 16, "--max-verify-width 0 with --speculation fixed"),
+    (SpeculationConfig("adaptive", 16), 16, "holds 15 drafts"),
+    (SpeculationConfig("adaptive", -1), 16, "non-negative"),
+])
+def test_bad_settings_are_named(config, block, message):
+    with pytest.raises(InputError, match=message):
+        config.validate(block)
+
+
+def test_saved_costs_start_the_next_process(tmp_path):
+    policy, stats = policy_with({0: 1.0, 1: 3.2, 3: 3.6, 7: 4.4, 15: 6.0}, alpha=0.6)
+    path = tmp_path / "costs.json"
+    policy.save(path)
+    fresh = SpeculationPolicy(SpeculationConfig("adaptive"), 16)
+    assert fresh.load(path)
+    assert fresh.choose(1, [fresh.new_row()]) == 0          # no measuring again
+    assert json.loads(path.read_text())["costs"]
+    path.write_text("{not json")
+    assert not SpeculationPolicy(SpeculationConfig("adaptive"), 16).load(path)
+
+
+# ----- lossless at every width ----------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["dflash", "dspine"])
+def test_greedy_equals_autoregressive_at_every_width(kind):
+    target, drafter = build(kind=kind, block=8)
+    ar = AutoregressiveGenerator(target, eos_token_ids=[0])
+    want = ar.generate(PROMPTS[:6], max_new_tokens=20).generations
+    engine = SpeculativeEngine(target, drafter, eos_token_ids=[0], steps_per_call=3,
+                               speculation=SpeculationConfig("adaptive"))
+    assert engine.widths == (0, 1, 3, 7)
+    run = engine.prepare(PROMPTS[:6], max_new_tokens=20)
+    for width in engine.widths:
+        state = run.prefill()
+        while not np.asarray(state.done).all():
+            state = run.decode(state, width)
+        for row, w in enumerate(want):
+            n = int(state.num_generated[row])
+            assert np.asarray(state.output[row, :n]).tolist() == w.tokens, (width, row)
+            lengths = np.asarray(state.pass_lengths[row, :int(state.num_passes[row])])
+            assert lengths.max() <= width + 1
+    # the adaptive policy over the whole request
+    got = engine.generate(PROMPTS[:6], max_new_tokens=20).generations
+    assert [g.tokens for g in got] == [w.tokens for w in want]
+    assert sum(sum(g.verify_widths.values()) for g in got) == sum(
+        len(g.accept_lengths) for g in got)
+
+
+@pytest.mark.parametrize("mode, width", [("fixed", 1), ("fixed", 3), ("adaptive", None)])
+def test_sampling_at_a_width_follows_the_target_distribution(mode, width):
+    target, drafter = build(SMALL, kind="dspine", block=4, scale=6.0)
+    engine = SpeculativeEngine(target, drafter, speculation=SpeculationConfig(mode, width))
+    prompt = [3, 1, 4]
+    joint = exact_two_token_distribution(target, prompt, SAMPLING[0])
+    counts = sample_pairs(engine, prompt, SAMPLING[0], seed=11)
+    assert chi2_pvalue(counts, joint) > 1e-4
+
+
+def test_speculation_modes_benchmark(tiny_llama_dir, tiny_dspine_dir, tmp_path):
+    """benchmarks/speculation_modes.py with a tiny pair: every mode gives AR's tokens at
+    T = 0, `off` runs plain steps only, `fixed` the whole block."""
+    from dspine_benchmarks import speculation_modes
+
+    out = tmp_path / "modes.json"
+    report = speculation_modes.main([
+        "--target", str(tiny_llama_dir), "--drafter", str(tiny_dspine_dir), "--prompt",
+        "the quick brown fox", "--no-chat", "--modes", "fixed", "adaptive", "off",
+        "--repeats", "2", "--max-new-tokens", "12", "--out", str(out)])
+    assert json.loads(out.read_text())["summary"] == report["summary"]
+    assert all(s["same_as_ar"] and s["median_tok_s"] > 0 for s in report["summary"].values())
+    block = max(int(w) for run in report["runs"]["fixed"] for w in run["verify_widths"])
+    assert all(set(run["verify_widths"]) == {"0"} for run in report["runs"]["off"])
+    assert all(set(run["verify_widths"]) == {str(block)} for run in report["runs"]["fixed"])
+
+
+# ----- the serving engine -------------------------------------------------------------------
+def serve_all(core, prompts, **options):
+    from dspine_serve.engine_core import SamplingOptions
+
+    for i, p in enumerate(prompts):
+        core.add_request(str(i), p, SamplingOptions(**options))
+    tokens = {str(i): [] for i in range(len(prompts))}
+    widths = {str(i): [] for i in range(len(prompts))}
+    while core.has_work():
+        for out in core.step():
+            tokens[out.request_id] += out.new_token_ids
+            widths[out.request_id] += [out.verify_width] * len(out.accept_lengths)
+    return [tokens[str(i)] for i in range(len(prompts))], widths
+
+
+@pytest.mark.parametrize("cheap", [0, 7])
+def test_serving_engine_follows_the_cost_table(cheap):
+    """A slot engine under adaptive speculation verifies no draft where the table says a
+    plain step is cheaper, the whole block where speculation is; T = 0 tokens are AR's
+    either way."""
+    from dspine_serve.engine_core import EngineCore
+
+    target, drafter = build(kind="dspine", block=8)
+    ar = AutoregressiveGenerator(target, eos_token_ids=[0])
+    want = [g.tokens for g in ar.generate(PROMPTS[:4], max_new_tokens=16).generations]
+    engine = SpeculativeEngine(target, drafter, eos_token_ids=[0], steps_per_call=2,
+                               speculation=SpeculationConfig("adaptive"))
+    for rows in (1, 2, 4):         # a table where `cheap` is far the faster width
+        for width in (0, 7):
+            engine.policy.costs.observe(rows, width, 1.0 if width == cheap else 100.0)
+    core = EngineCore(engine, max_slots=4, max_model_len=64)
+    assert core.stats().verify_widths == (0, 7) and core.stats().speculation == "adaptive"
+    got, widths = serve_all(core, PROMPTS[:4], max_tokens=16)
+    assert got == want
+    used = {w for ws in widths.values() for w in ws}
+    assert used == {cheap}
+
+
+def test_a_seeded_sample_is_served_at_one_width():
+    from dspine_serve.engine_core import EngineCore
+
+    target, drafter = build(kind="dspine", block=8)
+    engine = SpeculativeEngine(target, drafter, eos_token_ids=[0], steps_per_call=2,
+                               speculation=SpeculationConfig("adaptive"))
+    for rows in (1, 2, 4):         # plain steps would be far cheaper
+        engine.policy.costs.observe(rows, 0, 1.0)
+        engine.policy.costs.observe(rows, 7, 100.0)
+    alone, widths = serve_all(EngineCore(engine, max_slots=4, max_model_len=64),
+                              PROMPTS[:1], max_tokens=16, temperature=1.0, seed=5)
+    assert {w for ws in widths.values() for w in ws} == {7}
+    crowd, _ = serve_all(EngineCore(engine, max_slots=4, max_model_len=64), PROMPTS[:4],
+                         max_tokens=16, temperature=1.0, seed=5)
+    assert crowd[0] == alone[0]
+
+
+def test_info_speculation_costs(tiny_llama_dir, tiny_dspine_dir, tmp_path, monkeypatch):
+    """`dspine info --speculation-costs` times every width, prints the width the policy
+    picks (the fastest within its tolerance), and a later pipeline starts from the file."""
+    from typer.testing import CliRunner
+
+    from dspine_jax.api import Pipeline
+    from dspine_jax.cli import app
+
+    monkeypatch.setenv("DSPINE_CACHE_DIR", str(tmp_path / "cache"))
+    result = CliRunner().invoke(app, [
+        "info", "--speculation-costs", "--target", str(tiny_llama_dir), "--drafter",
+        str(tiny_dspine_dir), "--batch-size", "1", "--batch-size", "2", "--acceptance", "0.9",
+        "--dtype", "f32"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["acceptance"] == [0.9] * 3 and list(report["batch_sizes"]) == ["1", "2"]
+    for row in report["batch_sizes"].values():
+        assert set(row["ms_per_pass"]) == {"0", "1", "3"}
+        rates = row["tokens_per_s"]
+        assert rates[str(row["adaptive_width"])] >= 0.95 * max(rates.values())
+        assert row["expected_tokens_per_pass"]["3"] == pytest.approx(1 + .9 + .81 + .729,
+                                                                     abs=1e-3)
+    pipe = Pipeline.load(str(tiny_llama_dir), str(tiny_dspine_dir), dtype="f32")
+    assert str(pipe.decoder.policy_file()) == report["cost_file"]
+    assert set(pipe.decoder.policy.costs.measured(2)) == {0, 1, 3}
