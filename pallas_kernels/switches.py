@@ -1,0 +1,96 @@
+"""Switches that change what a compiled decoding program computes: kernel variants and
+search strategies, each exact, kept for before/after measurements.
+
+One frozen record, `Switches`. A decoder takes its record when it is built
+(`Switches.from_environment()` reads the DSPINE_* variables below once, there) and traces
+every program inside `Switches.active`, so the functions deep in a trace read the
+decoder's record (`current()`) and never the environment: a program is compiled under
+the switches of the decoder that owns it, and changing a variable later changes nothing
+until a new decoder is built. Outside any decoder, `current()` is the defaults.
+
+  field              variable                 values (default first)
+  warp_unfiltered    DSPINE_WARP_UNFILTERED   1 | 0   sampled batches without top-p/top-k
+                                                      skip the vocabulary threshold
+  warp_search        DSPINE_WARP_SEARCH       0 | 1   the GPU warp finds its threshold by
+                                                      bisection instead of a sort
+  chain_walk         DSPINE_CHAIN_WALK        auto | all | steps   how a sampled DSpine
+                                                      chain is walked
+  top_k_grouped      DSPINE_TOP_K_GROUPED     1 | 0   the grouped top-k on GPUs
+  top_k_split        DSPINE_TOP_K_SPLIT       1 | 0   the split top-k on GPUs
+  rpa_fused_write    DSPINE_RPA_FUSED_WRITE   1 | 0   the attention kernel writes the new
+                                                      tokens into the pages itself
+  rpa_combine        DSPINE_RPA_COMBINE       xla | kernel   how the attention kernel's
+                                                      split partials are merged
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import os
+from typing import Iterator, Mapping
+
+CHAIN_WALKS = ("auto", "all", "steps")
+COMBINES = ("xla", "kernel")
+FLAGS = {"warp_unfiltered": ("DSPINE_WARP_UNFILTERED", True),
+         "warp_search": ("DSPINE_WARP_SEARCH", False),
+         "top_k_grouped": ("DSPINE_TOP_K_GROUPED", True),
+         "top_k_split": ("DSPINE_TOP_K_SPLIT", True),
+         "rpa_fused_write": ("DSPINE_RPA_FUSED_WRITE", True)}
+CHOICES = {"chain_walk": ("DSPINE_CHAIN_WALK", CHAIN_WALKS),
+           "rpa_combine": ("DSPINE_RPA_COMBINE", COMBINES)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Switches:
+    warp_unfiltered: bool = True
+    warp_search: bool = False
+    chain_walk: str = "auto"
+    top_k_grouped: bool = True
+    top_k_split: bool = True
+    rpa_fused_write: bool = True
+    rpa_combine: str = "xla"
+
+    def __post_init__(self):
+        for name, (variable, allowed) in CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} ({variable}) must be one of {', '.join(allowed)}, "
+                                 f"got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] | None = None) -> "Switches":
+        """The record the DSPINE_* variables set (read here, once); unset ones default."""
+        environ = os.environ if environ is None else environ
+        values = {}
+        for name, (variable, default) in FLAGS.items():
+            raw = environ.get(variable)
+            if raw is not None:
+                if raw not in ("0", "1"):
+                    raise ValueError(f"{variable} must be 0 or 1, got {raw!r}")
+                values[name] = raw == "1"
+        for name, (variable, _) in CHOICES.items():
+            if variable in environ:
+                values[name] = environ[variable]
+        return cls(**values)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator["Switches"]:
+        """Trace with these switches: `current()` returns them inside."""
+        token = _CURRENT.set(self)
+        try:
+            yield self
+        finally:
+            _CURRENT.reset(token)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_CURRENT: contextvars.ContextVar[Switches] = contextvars.ContextVar(
+    "dspine_switches", default=Switches())
+
+
+def current() -> Switches:
+    """The switches of the program being traced (the defaults outside any decoder)."""
+    return _CURRENT.get()
