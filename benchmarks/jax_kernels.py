@@ -80,6 +80,7 @@ from pallas_kernels.dspine_proposal import (
     vocab_top_k,
     walk_chain,
 )
+from pallas_kernels.switches import Switches
 
 EPS = 1e-6
 BF16 = jnp.bfloat16
@@ -287,7 +288,8 @@ def main(argv=None):
     cpu = platform == "cpu"
     shapes, batches, iters, repeats = plan(args, cpu)
     over_budget = budget.spent
-    with jax.default_device(device):
+    # the DSPINE_* switches (DSPINE_CHAIN_WALK, ...) as a decoder would read them
+    with jax.default_device(device), Switches.from_environment().active():
         copy_gbs = None if cpu else copy_bandwidth(iters, repeats)
         name = "cpu (Pallas interpreter)" if cpu else device.device_kind
         print(f"device: {name}; jax {jax.__version__}, jaxlib {jaxlib_version()}; copy "

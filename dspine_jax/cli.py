@@ -133,8 +133,9 @@ def summary_line(method: str, result, max_new_tokens: int) -> str:
     """The stderr line after plain-text output: speed, acceptance, and whether the text
     ends because the budget ran out (plain text shows no finish_reason otherwise)."""
     rate = result.num_tokens / max(result.seconds, 1e-9)
-    accept = (f", mean acceptance length {result.mean_accept_length:.2f}"
-              if method != "ar" else "")
+    widths = ", ".join(f"{n} at width {w}" for w, n in result.verify_widths.items())
+    accept = (f", mean acceptance length {result.mean_accept_length:.2f} (passes: "
+              f"{widths or 'none'})" if method != "ar" else "")
     stopped = (f"; stopped at --max-new-tokens {max_new_tokens}"
                if result.finish_reason == "length" else "")
     return (f"[{method}: {result.num_tokens} tokens in {result.seconds:.2f}s, "

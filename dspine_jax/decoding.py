@@ -50,6 +50,7 @@ from dspine_jax.errors import InputError
 from dspine_jax.kv_cache import DEFAULT_PAGE_SIZE, PagePool, pages_needed
 from dspine_jax.sampling import SamplingParams, sample_tokens
 from dspine_jax.target import TargetModel
+from pallas_kernels.switches import Switches
 
 MIN_BUCKET = 16
 
@@ -171,10 +172,14 @@ class BatchDecoder:
     def __init__(self, target: TargetModel, *, eos_token_ids: Sequence[int] = (),
                  steps_per_call: int = 8,
                  attention_backend: str | AttentionBackend | None = "auto",
-                 page_size: int = DEFAULT_PAGE_SIZE, num_pages: int | None = None):
+                 page_size: int = DEFAULT_PAGE_SIZE, num_pages: int | None = None,
+                 switches: Switches | None = None):
         """attention_backend: "auto" (pallas where the platform compiles it, else xla),
         "pallas", "xla" or an AttentionBackend. num_pages: the page pool's size per batch
-        (default: enough for every row at the batch's capacity)."""
+        (default: enough for every row at the batch's capacity). switches: the kernel and
+        search variants every program of this decoder is traced with (default: the
+        DSPINE_* variables, read now; `pallas_kernels.switches`)."""
+        self.switches = switches or Switches.from_environment()
         self.config = target.config
         self.dtype = target.dtype
         self.page_size = page_size
@@ -298,7 +303,8 @@ class BatchDecoder:
         if key not in self._compiled:
             t0 = time.perf_counter()
             jitted = jax.jit(fn, static_argnames=static, donate_argnames=donate)
-            self._compiled[key] = jitted.lower(*args).compile()
+            with self.switches.active():
+                self._compiled[key] = jitted.lower(*args).compile()
             self.compile_clock += time.perf_counter() - t0
         return self._compiled[key]
 
@@ -341,7 +347,8 @@ class BatchDecoder:
         Returns the two stages as closures so callers (and benchmarks) can drive them."""
         self.check_request(prompts, max_new_tokens)
         b, prompt_len, out_len, capacity = self.bucket_shape(prompts, max_new_tokens)
-        sampling = SamplingParams.create(b, temperature, top_p, top_k)
+        with self.switches.active():                    # the sampling mode reads them
+            sampling = SamplingParams.create(b, temperature, top_p, top_k)
         page_table, num_pages = self.allocate_pages(prompts, max_new_tokens, capacity)
         tokens = np.zeros((b, prompt_len), np.int32)
         for i, p in enumerate(prompts):
@@ -361,8 +368,9 @@ class BatchDecoder:
         # the prefill builds the page pools itself: none is allocated until it runs
         prefill = self._compile(("prefill", prompt_len) + shape, self._prefill_batch,
                                 *args, num_pages, out_len, static=("num_pages", "out_len"))
-        state = jax.eval_shape(functools.partial(self._prefill_batch, num_pages=num_pages,
-                                                 out_len=out_len), *args)
+        with self.switches.active():
+            state = jax.eval_shape(functools.partial(self._prefill_batch, num_pages=num_pages,
+                                                     out_len=out_len), *args)
         def decode(width: int | None):
             """The decode program of one verify width, compiled on first use."""
             width = self.default_width() if width is None else width

@@ -8,7 +8,6 @@ Order follows transformers: temperature, then top-k, then top-p on what top-k ke
 from __future__ import annotations
 
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +16,7 @@ from flax import struct
 
 from dspine_jax import row_keys
 from dspine_jax.errors import InputError
+from pallas_kernels import switches
 from pallas_kernels import top_k as long_rows
 
 
@@ -70,9 +70,10 @@ def params_for_mode(temperature: jax.Array, top_p: jax.Array, top_k: jax.Array,
 
 
 def unfiltered_fast_path() -> bool:
-    """Whether `batch_sampling_mode` puts batches without top-k/top-p in "unfiltered";
-    DSPINE_WARP_UNFILTERED=0 keeps them on the general path (benchmarks' before column)."""
-    return os.environ.get("DSPINE_WARP_UNFILTERED", "1") != "0"
+    """Whether `batch_sampling_mode` puts batches without top-k/top-p in "unfiltered"; the
+    `warp_unfiltered` switch off (DSPINE_WARP_UNFILTERED=0) keeps them on the general path
+    (benchmarks' before column)."""
+    return switches.current().warp_unfiltered
 
 
 def top_k_indices(x: jax.Array, k: int) -> jax.Array:
@@ -197,10 +198,10 @@ def _largest_where(pred, lo: jax.Array, hi: jax.Array) -> jax.Array:
 
 def warp_search() -> bool:
     """Whether the branch-free warp finds its threshold by `_searched_threshold` instead
-    of a sort of the vocabulary (DSPINE_WARP_SEARCH=1). Off by default: on an H200 it is
+    of a sort of the vocabulary. Off by default: on an H200 it is
     slower at batch 8 and no faster at batch 1 (docs/benchmarks.md, "Sampling against
-    greedy")."""
-    return os.environ.get("DSPINE_WARP_SEARCH", "0") == "1"
+    greedy"). The `warp_search` switch (DSPINE_WARP_SEARCH=1)."""
+    return switches.current().warp_search
 
 
 def branch_free() -> bool:

@@ -10,9 +10,10 @@ rows pay a fixed cost each. On a GPU, therefore:
     `two_stage_top_k` splits each into as many chunks as fill one wave (each at least
     MIN_CHUNK long), takes each chunk's top-k, then the top-k of the survivors.
 Elsewhere (CPU, TPU) one lax.top_k. Both paths are exact: an entry of the row's top-k is
-in the top-k of its own group or chunk, and survivors keep index order. The environment
-switches DSPINE_TOP_K_GROUPED=0 and DSPINE_TOP_K_SPLIT=0 turn the two paths off (the
-grouped path against the split in a decoding pass: docs/benchmarks.md, "Engine options").
+in the top-k of its own group or chunk, and survivors keep index order. The switches
+`top_k_grouped` and `top_k_split` (`pallas_kernels.switches`; DSPINE_TOP_K_GROUPED=0 and
+DSPINE_TOP_K_SPLIT=0) turn the two paths off (the grouped path against the split in a
+decoding pass: docs/benchmarks.md, "Engine options").
 
 Shape legend: R rows, V row length, C chunk, n = ceil(V / C) chunks; G group, n = ceil(V / G)
 groups.
@@ -21,10 +22,11 @@ groups.
 from __future__ import annotations
 
 import math
-import os
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels import switches
 
 MIN_CHUNK = 1024
 DEFAULT_MULTIPROCESSORS = 132  # H100/H200 SXM, where the device does not say
@@ -72,8 +74,8 @@ def grouped_top_k(x: jax.Array, k: int, group: int):
 
 
 def groups_rows() -> bool:
-    """Whether `top_k` may take the grouped top-k: on GPUs, unless DSPINE_TOP_K_GROUPED=0."""
-    return jax.default_backend() == "gpu" and os.environ.get("DSPINE_TOP_K_GROUPED") != "0"
+    """Whether `top_k` may take the grouped top-k: on GPUs, unless switched off."""
+    return jax.default_backend() == "gpu" and switches.current().top_k_grouped
 
 
 def group_size(v: int, k: int) -> int | None:
@@ -87,8 +89,8 @@ def group_size(v: int, k: int) -> int | None:
 
 
 def splits_rows() -> bool:
-    """Whether `top_k` may split rows: on GPUs, unless DSPINE_TOP_K_SPLIT=0."""
-    return jax.default_backend() == "gpu" and os.environ.get("DSPINE_TOP_K_SPLIT") != "0"
+    """Whether `top_k` may split rows: on GPUs, unless switched off."""
+    return jax.default_backend() == "gpu" and switches.current().top_k_split
 
 
 def split_chunk(rows: int, v: int, k: int) -> int | None:

@@ -114,6 +114,7 @@ class EngineStats:
     preemptions: int        # requests preempted since the start (recomputed later)
     speculation: str | None = None    # adaptive, fixed or off; None for AR
     verify_widths: tuple[int, ...] = ()   # the widths decode calls may verify
+    switches: dict = dataclasses.field(default_factory=dict)  # the decoder's (pallas_kernels)
 
     @property
     def free_slots(self) -> int:
@@ -295,7 +296,8 @@ class EngineCore:
                            free_pages=pages.free_pages, preemptions=self.preemptions,
                            speculation=getattr(self.decoder, "speculation", None) and
                            self.decoder.speculation.mode,
-                           verify_widths=tuple(w for w in self._widths if w is not None))
+                           verify_widths=tuple(w for w in self._widths if w is not None),
+                           switches=self.decoder.switches.to_json())
 
     def step(self) -> list[RequestOutput]:
         outputs = [self._output(r, [], [], "abort") for r in self._aborted]
@@ -453,8 +455,9 @@ class EngineCore:
         sampling is traced), sampled without top-k/top-p (no vocabulary threshold), or
         filtered."""
         column = lambda name: matrix[:, slot_steps.DECODE_FIELDS.index(name)]  # noqa: E731
-        return batch_sampling_mode(column("temperature").view(np.float32),
-                                   column("top_p").view(np.float32), column("top_k"))
+        with self.decoder.switches.active():
+            return batch_sampling_mode(column("temperature").view(np.float32),
+                                       column("top_p").view(np.float32), column("top_k"))
 
     def _call(self, name: str, key, slots: np.ndarray, matrix: np.ndarray, *,
               mode: str, **static) -> None:

@@ -79,8 +79,9 @@ def generate_slots(decoder: BatchDecoder, prompts: Sequence[Sequence[int]], *,
             core.check_request(prompt, option)
         except InputError as e:
             raise InputError(f"prompt {i}: {e}") from None
-    mode = batch_sampling_mode(np.float32([temperature]), np.float32([top_p]),
-                               np.int32([top_k]))
+    with decoder.switches.active():
+        mode = batch_sampling_mode(np.float32([temperature]), np.float32([top_p]),
+                                   np.int32([top_k]))
     compile_seconds = core.warmup(modes=[mode])
 
     tokens = [[] for _ in prompts]

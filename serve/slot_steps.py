@@ -146,6 +146,7 @@ class CompiledSteps:
                      "decode": jax.jit(fns["decode"], donate_argnames=("state",),
                                        static_argnames=("mode", "width"))}
         self._executables: dict = {}
+        self.switches = decoder.switches
         self.compiles = 0            # programs compiled so far (a timed call must see none)
 
     def __call__(self, name: str, key, *args, mode: str = "filtered", **static):
@@ -158,7 +159,8 @@ class CompiledSteps:
 
     def _compile(self, name: str, args, mode: str, static: dict):
         self.compiles += 1
-        return self._jit[name].lower(*args, mode=mode, **static).compile()
+        with self.switches.active():     # in this thread: a compile worker's too
+            return self._jit[name].lower(*args, mode=mode, **static).compile()
 
     def precompile(self, calls: list[tuple[str, object, tuple, str, dict]],
                    workers: int | None = None) -> None:

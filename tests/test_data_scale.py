@@ -15,6 +15,7 @@ from dspine_jax.data.shards import (Sequence, load_dataset, read_manifest, read_
                                     token_dtype, write_manifest, write_shard)
 from dspine_jax.errors import InputError
 from dspine_jax.kv_cache import pages_needed
+from pallas_kernels.switches import Switches
 from tests.conftest import save_hf_model, write_tiny_tokenizer
 
 
@@ -290,8 +291,8 @@ def test_regeneration_warms_up_only_the_sampling_modes_its_calls_can_take(monkey
     assert regen.sampling_modes([0.0, 0.7, 1.0], 1.0) == ["greedy", "unfiltered"]
     assert regen.sampling_modes([0.0], 0.9) == ["greedy"]
     assert regen.sampling_modes([0.0, 1.0], 0.9) == ["greedy", "filtered"]
-    monkeypatch.setenv("DSPINE_WARP_UNFILTERED", "0")  # no unfiltered program at all
-    assert regen.sampling_modes([0.0, 1.0], 1.0) == ["greedy", "filtered"]
+    with Switches(warp_unfiltered=False).active():      # no unfiltered program at all
+        assert regen.sampling_modes([0.0, 1.0], 1.0) == ["greedy", "filtered"]
 
 
 def test_slot_decoding_overlaps_a_shard_tail_with_the_next_shard():

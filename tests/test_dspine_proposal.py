@@ -15,6 +15,7 @@ import pytest
 
 from pallas_kernels.dspine_proposal import (dspine_proposal, transition_table, vocab_top_k,
                                             walk_chain)
+from pallas_kernels.switches import Switches
 from tests.test_engine import build
 from tests.test_losses import reference_transition_scores
 from tests.test_sampling import reference_probs
@@ -152,12 +153,10 @@ def numpy_walk(table, temperature=0.0, top_p=1.0, top_k=0, choices=None):
 
 
 @pytest.fixture(params=["steps", "all"])
-def walk_mode(request, monkeypatch):
-    """Both ways a sampled walk draws (DSPINE_CHAIN_WALK), traced afresh."""
-    monkeypatch.setenv("DSPINE_CHAIN_WALK", request.param)
-    jax.clear_caches()
-    yield request.param
-    jax.clear_caches()
+def walk_mode(request):
+    """Both ways a sampled walk draws (the chain_walk switch)."""
+    with Switches(chain_walk=request.param).active():
+        yield request.param
 
 
 @pytest.mark.parametrize("sampling", [(0.0, 1.0, 0), (1.0, 1.0, 0), (0.8, 0.9, 4)])

@@ -31,10 +31,10 @@ WARP_PATHS = ["selection", "sort", "search"]
 def use_warp_path(monkeypatch, path: str) -> bool:
     """Make `warp_threshold` find its set one way: the CPU's partial top-k and bisection
     ("selection"), or with no data-dependent control flow as on a GPU, by a sort of the
-    vocabulary ("sort") or the sort-free search (DSPINE_WARP_SEARCH=1, "search").
+    vocabulary ("sort") or the sort-free search (the warp_search switch, "search").
     Returns whether the path is branch-free."""
     monkeypatch.setattr("dspine_jax.sampling.branch_free", lambda: path != "selection")
-    monkeypatch.setenv("DSPINE_WARP_SEARCH", "1" if path == "search" else "0")
+    monkeypatch.setattr("dspine_jax.sampling.warp_search", lambda: path == "search")
     return path != "selection"
 
 

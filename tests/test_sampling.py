@@ -10,6 +10,7 @@ import pytest
 from dspine_jax.errors import InputError
 from dspine_jax.sampling import (SamplingParams, sample_tokens, target_probabilities,
                                  top_k_indices, validate_sampling, warp_logits)
+from pallas_kernels.switches import Switches
 
 
 def reference_probs(logits, temperature, top_p, top_k):
@@ -112,9 +113,10 @@ def test_unfiltered_batches_trace_no_threshold(branch_free, monkeypatch):
         assert "sort" in str(jax.make_jaxpr(fn)(logits, general)) or not branch_free
 
 
-def test_unfiltered_fast_path_can_be_switched_off(monkeypatch):
-    monkeypatch.setenv("DSPINE_WARP_UNFILTERED", "0")
-    assert not SamplingParams.create(2, 1.0).all_unfiltered
+def test_unfiltered_fast_path_can_be_switched_off():
+    assert SamplingParams.create(2, 1.0).all_unfiltered
+    with Switches(warp_unfiltered=False).active():
+        assert not SamplingParams.create(2, 1.0).all_unfiltered
 
 
 def test_batch_sampling_mode_ignores_greedy_rows_filters(monkeypatch):
@@ -124,8 +126,8 @@ def test_batch_sampling_mode_ignores_greedy_rows_filters(monkeypatch):
     assert batch_sampling_mode(np.zeros(2), p, k) == "greedy"
     assert batch_sampling_mode(t, np.array([0.5, 0.9]), k) == "filtered"
     assert batch_sampling_mode(t, p, np.array([3, 2])) == "filtered"
-    monkeypatch.setenv("DSPINE_WARP_UNFILTERED", "0")
-    assert batch_sampling_mode(t, p, k) == "filtered"
+    with Switches(warp_unfiltered=False).active():
+        assert batch_sampling_mode(t, p, k) == "filtered"
     params = params_for_mode(jnp.asarray(t), jnp.asarray(p), jnp.asarray(k), "unfiltered")
     assert params.all_unfiltered and not params.all_greedy
     with pytest.raises(ValueError, match="sampling mode"):

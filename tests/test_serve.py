@@ -36,6 +36,7 @@ from dspine_jax.speculative.policy import SpeculationConfig  # noqa: E402
 from dspine_serve.detokenizer import IncrementalDetokenizer  # noqa: E402
 from dspine_serve.engine_core import EngineCore, SamplingOptions  # noqa: E402
 from dspine_serve.server import DrainingServer, build  # noqa: E402
+from pallas_kernels.switches import Switches  # noqa: E402
 
 SLOTS = 8
 CONTEXT = 256
@@ -158,7 +159,7 @@ def test_seeded_request_is_the_same_alone_and_under_load(pipe):
 def test_decode_calls_are_compiled_per_sampling_mode(pipe, monkeypatch):
     """A decode call's key carries what its rows ask of the sampler: sampled rows without
     top-p/top-k run the program with no vocabulary threshold, one filtering row (or
-    DSPINE_WARP_UNFILTERED=0) the general one; a seeded request's tokens equal offline
+    the warp_unfiltered switch off) the general one; a seeded request's tokens equal offline
     generate's with its seed either way."""
     modes = []
     core = EngineCore(pipe.decoder, max_slots=SLOTS, max_model_len=CONTEXT)
@@ -178,7 +179,8 @@ def test_decode_calls_are_compiled_per_sampling_mode(pipe, monkeypatch):
                                                        top_p=0.9))
     assert drain(core)["plain"][0] == offline
     assert modes[0] == "filtered" and modes[-1] == "unfiltered"
-    monkeypatch.setenv("DSPINE_WARP_UNFILTERED", "0")
+    # a decoder's switches are fixed when it is built (DSPINE_WARP_UNFILTERED=0 then)
+    monkeypatch.setattr(pipe.decoder, "switches", Switches(warp_unfiltered=False))
     modes.clear()
     core.add_request("plain", ids, plain)
     assert drain(core)["plain"][0] == offline and set(modes) == {"filtered"}

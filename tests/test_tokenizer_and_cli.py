@@ -75,9 +75,11 @@ def test_summary_line_says_why_generation_stopped():
     from dspine_jax.cli import summary_line
 
     result = Result(text="x", tokens=[1, 2, 3], prompt_tokens=2, finish_reason="stop",
-                    accept_lengths=[2], seconds=1.0, compile_seconds=0.0, batch_size=1)
+                    accept_lengths=[2], seconds=1.0, compile_seconds=0.0, batch_size=1,
+                    verify_widths={15: 1})
     assert "stopped" not in summary_line("dspine", result, 3)
-    assert "mean acceptance length 2.00" in summary_line("dspine", result, 3)
+    assert "mean acceptance length 2.00 (passes: 1 at width 15)" in summary_line(
+        "dspine", result, 3)
     cut = dataclasses.replace(result, finish_reason="length")
     assert summary_line("ar", cut, 3).endswith("; stopped at --max-new-tokens 3]")
 

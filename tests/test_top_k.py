@@ -10,6 +10,7 @@ import pytest
 
 from dspine_jax.sampling import first_argmax, top_k_indices
 from pallas_kernels import top_k as long_rows
+from pallas_kernels.switches import Switches
 
 
 def stable_top_k(x, k):
@@ -88,9 +89,10 @@ def test_split_rule_fills_one_wave_of_the_gpu(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr(long_rows.jax, "default_backend", lambda: "cpu")
     assert long_rows.split_chunk(15, 49152, 16) is None        # the CPU
-    monkeypatch.setenv("DSPINE_TOP_K_SPLIT", "0")
     monkeypatch.setattr(long_rows.jax, "default_backend", lambda: "gpu")
-    assert not long_rows.splits_rows()
+    assert long_rows.splits_rows()
+    with Switches(top_k_split=False).active():
+        assert not long_rows.splits_rows()
 
 
 def test_split_path_through_top_k_and_its_callers(monkeypatch):
@@ -136,10 +138,10 @@ def test_group_rule(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr(long_rows.jax, "default_backend", lambda: "cpu")
     assert long_rows.group_size(49152, 16) is None      # the CPU
-    monkeypatch.setenv("DSPINE_TOP_K_GROUPED", "0")
     monkeypatch.setattr(long_rows.jax, "default_backend", lambda: "gpu")
-    assert not long_rows.groups_rows()
-    assert long_rows.splits_rows()
+    with Switches(top_k_grouped=False).active():
+        assert not long_rows.groups_rows()
+        assert long_rows.splits_rows()
 
 
 def test_grouped_path_through_top_k_and_its_callers(monkeypatch):

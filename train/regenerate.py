@@ -127,7 +127,8 @@ def regenerate(out: Path, *, target: str, source: str = "sharegpt", turns: str =
     if core is not None and done < len(prompts):
         # Every call shape at once, compiled in parallel. Compiled lazily, one at a time,
         # they made the first shard take 224 s on the H200 (512 slots), the others 30-45.
-        seconds = core.warmup(sampling_modes(temperatures, top_p))
+        with pipe.decoder.switches.active():
+            seconds = core.warmup(sampling_modes(temperatures, top_p))
         manifest["compile_seconds"] = round(manifest.get("compile_seconds", 0) + seconds, 3)
         progress.write(f"compiled the slot engine's calls in {seconds:.0f} s")
     chunks = (encode_chunk(pipe.tokenizer, prompts, start, shard_size, max_prompt_tokens)
@@ -215,7 +216,8 @@ def slot_engine(decoder, max_slots: int, longest: int, num_pages: int | None = N
 
 def sampling_modes(temperatures: list[float], top_p: float) -> list[str]:
     """The slot engine's decode modes a regeneration's calls can take: a call's mode is
-    that of its rows together, and a mix of greedy and sampled rows samples."""
+    that of its rows together, and a mix of greedy and sampled rows samples (under the
+    switches in effect: the decoder's)."""
     from dspine_jax.sampling import SAMPLING_MODES, batch_sampling_mode
 
     modes = {batch_sampling_mode(np.float32([t]), np.float32([top_p]), np.int32([0]))

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from .common import IMPLEMENTATIONS, check_inputs
 from ..platform import backend_implementation
+from ..switches import current
 from ..top_k import top_k
 from .reference import (TransitionWeights, follow_chain, predecessor_rows, transition_table,
                         vocab_logits, vocab_top_k_reference, walk_chain, warp_small)
@@ -39,7 +40,6 @@ def vocab_top_k_xla(hidden, weight, k: int):
     return top_k(vocab_logits(hidden, weight), k)
 
 
-@functools.partial(jax.jit, static_argnames=("k", "implementation", "interpret"))
 def vocab_top_k(hidden, weight, k: int, *, implementation="auto", interpret=False):
     """The k largest entries of hidden @ weight^T per row.
 
@@ -55,20 +55,26 @@ def vocab_top_k(hidden, weight, k: int, *, implementation="auto", interpret=Fals
       (values [R, k] float32 descending, ids [R, k] int32); equal values keep the lower id
       first, as lax.top_k does.
     """
-    check_inputs(hidden, weight, k, implementation)
-    if implementation == "auto":
-        implementation = backend_implementation()
-    if implementation == "xla":
-        return vocab_top_k_xla(hidden, weight, k)
-    if implementation == "pallas_tpu":
-        from .tpu import vocab_top_k_tpu
-        return vocab_top_k_tpu(hidden, weight, k, interpret=interpret)
-    from .gpu import vocab_top_k_gpu
-    return vocab_top_k_gpu(hidden, weight, k, interpret=interpret)
+    # the switches in effect are a static argument: a program is cached per switches
+    return _vocab_top_k(hidden, weight, k, implementation=implementation,
+                        interpret=interpret, switches=current())
 
 
-@functools.partial(jax.jit, static_argnames=("num_candidates", "eps", "greedy",
-                                             "implementation", "interpret"))
+@functools.partial(jax.jit, static_argnames=("k", "implementation", "interpret", "switches"))
+def _vocab_top_k(hidden, weight, k: int, *, implementation, interpret, switches):
+    with switches.active():
+        check_inputs(hidden, weight, k, implementation)
+        if implementation == "auto":
+            implementation = backend_implementation()
+        if implementation == "xla":
+            return vocab_top_k_xla(hidden, weight, k)
+        if implementation == "pallas_tpu":
+            from .tpu import vocab_top_k_tpu
+            return vocab_top_k_tpu(hidden, weight, k, interpret=interpret)
+        from .gpu import vocab_top_k_gpu
+        return vocab_top_k_gpu(hidden, weight, k, interpret=interpret)
+
+
 def dspine_proposal(hidden, pre_injection, anchor, output_embedding,
                     weights: TransitionWeights, temperature, top_p, top_k, rng, *,
                     num_candidates: int, eps: float, greedy: bool, implementation="auto",
@@ -91,15 +97,29 @@ def dspine_proposal(hidden, pre_injection, anchor, output_embedding,
       (candidates [B, S, C] int32, choice [B, S] int32 index into candidates,
        q [B, S, C] float32 the distribution each choice was drawn from; one-hot at T = 0).
     """
-    b, s, d = hidden.shape
-    c = min(num_candidates, output_embedding.shape[0])
-    _, candidates = vocab_top_k(hidden.reshape(b * s, d), output_embedding, c,
-                                implementation=implementation, interpret=interpret)
-    candidates = candidates.reshape(b, s, c)
-    # Predecessor candidates of slot i: the anchor for slot 1, slot i-1's candidates after.
-    preds = jnp.concatenate([jnp.broadcast_to(anchor[:, None, None], (b, 1, c)),
-                             candidates[:, :-1]], axis=1)
-    rows = jnp.take(output_embedding, candidates, axis=0)                # [B, S, C, D]
-    table = transition_table(pre_injection, preds, rows, output_embedding, weights, eps)
-    choice, q = walk_chain(table, temperature, top_p, top_k, rng, greedy=greedy)
-    return candidates, choice, q
+    # the switches in effect are a static argument: a program is cached per switches
+    return _dspine_proposal(hidden, pre_injection, anchor, output_embedding, weights,
+                            temperature, top_p, top_k, rng, num_candidates=num_candidates,
+                            eps=eps, greedy=greedy, implementation=implementation,
+                            interpret=interpret, switches=current())
+
+
+@functools.partial(jax.jit, static_argnames=("num_candidates", "eps", "greedy",
+                                             "implementation", "interpret", "switches"))
+def _dspine_proposal(hidden, pre_injection, anchor, output_embedding,
+                     weights: TransitionWeights, temperature, top_p, top_k, rng, *,
+                     num_candidates: int, eps: float, greedy: bool, implementation,
+                     interpret, switches):
+    with switches.active():
+        b, s, d = hidden.shape
+        c = min(num_candidates, output_embedding.shape[0])
+        _, candidates = vocab_top_k(hidden.reshape(b * s, d), output_embedding, c,
+                                    implementation=implementation, interpret=interpret)
+        candidates = candidates.reshape(b, s, c)
+        # Predecessor candidates of slot i: the anchor for slot 1, slot i-1's candidates after.
+        preds = jnp.concatenate([jnp.broadcast_to(anchor[:, None, None], (b, 1, c)),
+                                 candidates[:, :-1]], axis=1)
+        rows = jnp.take(output_embedding, candidates, axis=0)                # [B, S, C, D]
+        table = transition_table(pre_injection, preds, rows, output_embedding, weights, eps)
+        choice, q = walk_chain(table, temperature, top_p, top_k, rng, greedy=greedy)
+        return candidates, choice, q

@@ -17,11 +17,12 @@ B batch, S drafted slots, C candidates, D hidden, r transfer rank, m message wid
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels import switches
 
 
 def vocab_logits(hidden, weight):
@@ -143,12 +144,10 @@ def walk_at_once() -> bool:
     or slot by slot. On GPUs at once: each step of a slot-by-slot walk is a dozen small
     kernels (sort, softmax, cumsum, draw), 15 steps in sequence. On CPUs slot by slot:
     there the work counts, and at once warps C times as many rows (timings of both:
-    docs/benchmarks.md, "PyTorch port and kernels"). DSPINE_CHAIN_WALK=all|steps
-    overrides. Both are exact; their draws differ. Greedy walks always go at once (the
-    same picks)."""
-    mode = os.environ.get("DSPINE_CHAIN_WALK", "auto")
-    if mode not in ("auto", "all", "steps"):
-        raise ValueError(f"DSPINE_CHAIN_WALK must be auto, all or steps, got {mode!r}")
+    docs/benchmarks.md, "PyTorch port and kernels"). The `chain_walk` switch (all|steps;
+    DSPINE_CHAIN_WALK) overrides. Both are exact; their draws differ. Greedy walks always
+    go at once (the same picks)."""
+    mode = switches.current().chain_walk
     return mode == "all" or (mode == "auto" and jax.default_backend() == "gpu")
 
 

@@ -15,14 +15,13 @@ import jax
 
 from .common import IMPLEMENTATIONS, MASKS, check_inputs
 from ..platform import backend_implementation
+from ..switches import current
 from .reference import ragged_paged_attention_reference
 
 __all__ = ["ragged_paged_attention", "ragged_paged_attention_reference", "IMPLEMENTATIONS",
            "MASKS"]
 
 
-@functools.partial(jax.jit, static_argnames=("mask", "sm_scale", "implementation",
-                                             "interpret"))
 def ragged_paged_attention(q, new_k, new_v, k_pages, v_pages, page_table, kv_lens, q_lens,
                            *, mask="causal", sm_scale=None, implementation="auto",
                            interpret=False):
@@ -52,17 +51,31 @@ def ragged_paged_attention(q, new_k, new_v, k_pages, v_pages, page_table, kv_len
     Returns:
       (out [B, T, N, H], k_pages, v_pages) with the new tokens written.
     """
-    check_inputs(q, new_k, new_v, k_pages, v_pages, page_table, kv_lens, q_lens, mask=mask,
-                 sm_scale=sm_scale, implementation=implementation)
-    if implementation == "auto":
-        implementation = backend_implementation()
-    args = (q, new_k, new_v, k_pages, v_pages, page_table, kv_lens, q_lens)
-    if implementation == "xla":
-        return ragged_paged_attention_reference(*args, mask=mask, sm_scale=sm_scale)
-    if implementation == "pallas_tpu":
-        from .tpu import ragged_paged_attention_tpu
-        return ragged_paged_attention_tpu(*args, mask=mask, sm_scale=sm_scale,
+    # the switches in effect are a static argument: a program is cached per switches
+    return _ragged_paged_attention(q, new_k, new_v, k_pages, v_pages, page_table, kv_lens,
+                                   q_lens, mask=mask, sm_scale=sm_scale,
+                                   implementation=implementation, interpret=interpret,
+                                   switches=current())
+
+
+@functools.partial(jax.jit, static_argnames=("mask", "sm_scale", "implementation",
+                                             "interpret", "switches"))
+def _ragged_paged_attention(q, new_k, new_v, k_pages, v_pages, page_table, kv_lens, q_lens,
+                            *, mask, sm_scale, implementation, interpret, switches):
+    with switches.active():
+        check_inputs(q, new_k, new_v, k_pages, v_pages, page_table, kv_lens, q_lens, mask=mask,
+                     sm_scale=sm_scale, implementation=implementation)
+        if implementation == "auto":
+            implementation = backend_implementation()
+        args = (q, new_k, new_v, k_pages, v_pages, page_table, kv_lens, q_lens)
+        if implementation == "xla":
+            return ragged_paged_attention_reference(*args, mask=mask, sm_scale=sm_scale)
+        if implementation == "pallas_tpu":
+            from .tpu import ragged_paged_attention_tpu
+            return ragged_paged_attention_tpu(*args, mask=mask, sm_scale=sm_scale,
+                                              interpret=interpret)
+        from .gpu import ragged_paged_attention_gpu
+        return ragged_paged_attention_gpu(*args, mask=mask, sm_scale=sm_scale,
                                           interpret=interpret)
-    from .gpu import ragged_paged_attention_gpu
-    return ragged_paged_attention_gpu(*args, mask=mask, sm_scale=sm_scale,
-                                      interpret=interpret)
+
+

@@ -11,7 +11,7 @@ programs (default_config: at least two programs per multiprocessor, up to four f
 query tiles), each program runs an online softmax over its key tiles and writes an
 unnormalised partial (acc, max, sum); a small XLA combine merges the S partials and lays
 them out as [B, T, N, H] (two or three fusions), or, with combine="kernel"
-(DSPINE_RPA_COMBINE=kernel), one small Pallas kernel does both (`_combine_kernel`: one
+(the `rpa_combine` switch), one small Pallas kernel does both (`_combine_kernel`: one
 program per (row, kv head, query tile), an online merge over the splits); it is off by
 default, being the slower of the two on an H200 (docs/benchmarks.md, "Engine options").
 
@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +58,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from ..switches import current as current_switches
 from .common import MASK_VALUE, default_scale, unpack_outputs, write_new_tokens
 
 LOG2E = math.log2(math.e)
@@ -286,15 +286,15 @@ def ragged_paged_attention_gpu(q, new_k, new_v, k_pages, v_pages, page_table, kv
 
     fused_write: the kernel writes this call's tokens into the pools itself (at most
     FUSED_WRITE_MAX_T tokens per row; longer calls, prefill, are written by an XLA
-    scatter first); default True unless DSPINE_RPA_FUSED_WRITE=0.
+    scatter first); default: the `rpa_fused_write` switch (on).
     combine: how the S partials are merged and laid out as [B, T, N, H]: "xla" (XLA
-    fusions) or "kernel" (`_combine_kernel`, one small Pallas kernel); default
-    DSPINE_RPA_COMBINE, else "xla". block_m .. num_stages override `default_config`.
+    fusions) or "kernel" (`_combine_kernel`, one small Pallas kernel); default: the
+    `rpa_combine` switch ("xla"). block_m .. num_stages override `default_config`.
     """
     if fused_write is None:
-        fused_write = os.environ.get("DSPINE_RPA_FUSED_WRITE", "1") != "0"
+        fused_write = current_switches().rpa_fused_write
     if combine is None:
-        combine = os.environ.get("DSPINE_RPA_COMBINE", "xla")
+        combine = current_switches().rpa_combine
     if combine not in COMBINES:
         raise ValueError(f"ragged_paged_attention: combine must be one of {COMBINES}, "
                          f"got {combine!r}")
