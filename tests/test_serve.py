@@ -826,3 +826,19 @@ def test_a_client_gone_before_its_body_is_a_quiet_client_error():
     with pytest.raises(APIError) as caught:
         asyncio.run(handlers._parse(request, CompletionRequest))
     assert caught.value.status == 400 and caught.value.code == "client_disconnected"
+
+
+def test_serve_startup_benchmark(tiny_llama_dir, tmp_path):
+    """benchmarks/serve_startup.py: two starts on one compilation cache, each answering
+    503 "starting" before its 200, and serving a completion."""
+    from dspine_benchmarks import serve_startup
+
+    out = tmp_path / "startup.json"
+    report = serve_startup.main(["--target", str(tiny_llama_dir), "--max-slots", "1",
+                                 "--port", str(free_port()), "--out", str(out), "--",
+                                 "--max-model-len", "64"])
+    assert report == json.loads(out.read_text())
+    for start in ("cold", "restart"):
+        run = report[start]
+        assert run["completion_status"] == 200 and run["log"][-1].startswith("ready")
+        assert run["first_answer"]["seconds"] <= run["ready_seconds"]

@@ -1,0 +1,88 @@
+"""How long `dspine serve` takes to be ready, from a cold compilation cache and on a
+restart that finds the programs there.
+
+    python -m dspine_benchmarks.serve_startup --drafter smollm2-135m-instruct-dspine \
+        --max-slots 8 --out startup.json
+
+Starts the server twice on one new compilation cache folder (`--compile-cache-dir`):
+each time it times the first answer on /health (503 "starting" while the server
+compiles) and the first 200, sends one completion, and stops the server with SIGTERM.
+Extra arguments after `--` go to `dspine serve`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def start(serve_args: list[str], cache: str, port: int, timeout: float) -> dict:
+    import httpx
+
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "dspine_jax", "serve", "--port", str(port),
+                             "--compile-cache-dir", cache, *serve_args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = None
+    try:
+        while True:
+            if time.perf_counter() - t0 > timeout:
+                raise SystemExit(f"no ready server after {timeout}s")
+            if proc.poll() is not None:
+                raise SystemExit(f"the server exited:\n{proc.stdout.read()}")
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, trust_env=False)
+            except httpx.TransportError:
+                time.sleep(0.2)
+                continue
+            if first is None:
+                first = {"seconds": round(time.perf_counter() - t0, 2),
+                         "status": r.status_code, "body": r.json().get("status")}
+            if r.status_code == 200:
+                break
+            time.sleep(0.2)
+        ready = time.perf_counter() - t0
+        done = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
+                          trust_env=False, json={"prompt": "hello", "max_tokens": 8})
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=120)[0]
+    return {"first_answer": first, "ready_seconds": round(ready, 2),
+            "completion_status": done.status_code,
+            "log": [line for line in out.splitlines()
+                    if line.startswith(("serving", "ready"))]}
+
+
+def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    cut = argv.index("--") if "--" in argv else len(argv)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default=None)
+    ap.add_argument("--drafter", default=None)
+    ap.add_argument("--max-slots", type=int, default=8)
+    ap.add_argument("--port", type=int, default=8123, help="this one and the next")
+    ap.add_argument("--timeout", type=float, default=1200)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv[:cut])
+    serve_args = (["--target", args.target] if args.target else []) + (
+        ["--drafter", args.drafter] if args.drafter else []) + [
+        "--max-slots", str(args.max_slots)] + argv[cut + 1:]
+    with tempfile.TemporaryDirectory() as cache:
+        report = {"date": datetime.date.today().isoformat(), "serve_args": serve_args,
+                  "cold": start(serve_args, cache, args.port, args.timeout),
+                  "restart": start(serve_args, cache, args.port + 1, args.timeout)}
+    print(json.dumps(report, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()
