@@ -206,9 +206,9 @@ def main(argv=None) -> None:
         drafter = load_drafter(resolve_drafter(folder), dtype=loaded.model.dtype)
         name = Path(folder).name
         reports[name] = diagnose(loaded, drafter, sequences, args.stride)
-        reports[name]["engine_check"] = engine_check(
-            Pipeline.from_loaded(loaded, folder, speculation=SpeculationConfig("fixed")), drafter, prompts, args.max_new_tokens,
-            loaded)
+        pipe = Pipeline.from_loaded(loaded, folder, speculation=SpeculationConfig("fixed"))
+        reports[name]["engine_check"] = engine_check(pipe, drafter, prompts,
+                                                     args.max_new_tokens, loaded)
         print(name, json.dumps(reports[name]))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "diagnostics.json").write_text(json.dumps(reports, indent=2))

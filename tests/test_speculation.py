@@ -215,6 +215,7 @@ def test_serving_engine_follows_the_cost_table(cheap):
     want = [g.tokens for g in ar.generate(PROMPTS[:4], max_new_tokens=16).generations]
     engine = SpeculativeEngine(target, drafter, eos_token_ids=[0], steps_per_call=2,
                                speculation=SpeculationConfig("adaptive"))
+    engine.policy.costs = CostTable()     # not what earlier runs saved for this pair
     for rows in (1, 2, 4):         # a table where `cheap` is far the faster width
         for width in (0, 7):
             engine.policy.costs.observe(rows, width, 1.0 if width == cheap else 100.0)
@@ -232,6 +233,7 @@ def test_a_seeded_sample_is_served_at_one_width():
     target, drafter = build(kind="dspine", block=8)
     engine = SpeculativeEngine(target, drafter, eos_token_ids=[0], steps_per_call=2,
                                speculation=SpeculationConfig("adaptive"))
+    engine.policy.costs = CostTable()
     for rows in (1, 2, 4):         # plain steps would be far cheaper
         engine.policy.costs.observe(rows, 0, 1.0)
         engine.policy.costs.observe(rows, 7, 100.0)
