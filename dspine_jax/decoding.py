@@ -443,27 +443,23 @@ class BatchDecoder:
             # what the calls read so far (one call behind).
             # DSPINE_STREAM_AHEAD=0 reads each call before queuing the next (before/after).
             ahead = os.environ.get("DSPINE_STREAM_AHEAD", "1") != "0"
-            width = widths.choose(done)
-            state, news = run.decode_with_news(state, width)
-            widths.dispatched(width, self.compile_clock)
+
+            def dispatch(state):
+                width = widths.choose(done)
+                call = run.decode_with_news(state, width)
+                widths.dispatched(width, self.compile_clock)
+                return call
+
+            state, news = dispatch(state)
             while True:
-                following = None
-                if ahead:
-                    following_width = widths.choose(done)
-                    following = run.decode_with_news(state, following_width)
+                following = dispatch(state) if ahead else None
                 num, done, output, passes, lengths = jax.device_get(news)
                 widths.read(passes, lengths, done, self.compile_clock)
-                if following:
-                    widths.dispatched(following_width, self.compile_clock)
                 yield from stream_news()
                 if done.all():
                     state = following[0] if following else state  # `state` went to it
                     break
-                if not following:
-                    following_width = widths.choose(done)
-                    following = run.decode_with_news(state, following_width)
-                    widths.dispatched(following_width, self.compile_clock)
-                state, news = following
+                state, news = following or dispatch(state)
         lazy_compile = self.compile_clock - compiled_before     # widths first run mid-stream
         seconds = time.perf_counter() - t0 - lazy_compile
         self.finished_batch()
@@ -511,6 +507,7 @@ class WidthChooser:
         return self.policy.choose(self.rows, [s for s, d in zip(self.stats, done) if not d])
 
     def dispatched(self, width, compile_clock: float) -> None:
+        """A call of `width` was queued (behind the ones not yet read)."""
         self.queue.append(width)
         if self.last_read is None:
             self.last_read, self.compiled_at_read = time.perf_counter(), compile_clock

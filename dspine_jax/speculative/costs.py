@@ -50,8 +50,7 @@ def report(engine, batch_sizes: list[int], acceptance: float | None = None) -> d
     for rows in batch_sizes:
         costs = {w: policy.costs.estimate(rows, w) for w in engine.widths}
         rates = {w: rows * expected_tokens(alpha, w) / c for w, c in costs.items() if c}
-        best = max(rates.values())
-        pick = max(w for w, r in rates.items() if r >= (1 - policy.tolerance) * best)
+        pick = policy.pick(rates)
         table[str(rows)] = {
             "ms_per_pass": {str(w): round(c * 1e3, 3) for w, c in costs.items() if c},
             "tokens_per_s": {str(w): round(r, 1) for w, r in rates.items()},

@@ -201,6 +201,12 @@ class SpeculationPolicy:
                 out[w] = sum(s.expected_tokens(w) for s in active) / max(cost, 1e-12)
         return out
 
+    def pick(self, scores: dict[int, float]) -> int:
+        """The widest width whose tokens/s is within the tolerance of the best: ties go
+        to speculation."""
+        best = max(scores.values())
+        return max(w for w, s in scores.items() if s >= (1 - self.tolerance) * best)
+
     def choose(self, rows: int, active: list[AcceptanceStats],
                widths: tuple[int, ...] | None = None) -> int:
         """The width of the next call over a batch of `rows` rows, `active` the stats of
@@ -219,9 +225,7 @@ class SpeculationPolicy:
                 return self._ran(rows, end, call)
         scores = {w: s for w, s in self.scores(rows, active or [self.pool]).items()
                   if w in widths}
-        best = max(scores.values())
-        # the widest width within the tolerance of the best: ties go to speculation
-        width = max(w for w, s in scores.items() if s >= (1 - self.tolerance) * best)
+        width = self.pick(scores)
         # the end least recently run, to refresh what the chosen width cannot see
         end = min((lo, hi), key=lambda w: self.last_run.get((rows, w), -1))
         if end != width:
