@@ -64,30 +64,41 @@ def compile_shapes(decoder, groups, workers: int, **options) -> None:
         list(pool.map(lambda g: decoder.prepare(g, **options), shapes.values()))
 
 
-def time_engine(pipe, groups, batch, drafter, kw):
-    """Decode every group twice (the first run of a newly compiled shape also pays XLA's
-    setup) and time the second: (tokens, accept lengths, seconds, row fields)."""
-    toks, accepts, seconds, prefill, first_run = [], [], 0.0, 0.0, 0.0
+def time_engine(pipe, groups, batch, drafter, kw, repeats: int = 1):
+    """Decode every group once untimed (the first run of a newly compiled shape also pays
+    XLA's setup), then `repeats` times: (tokens, accept lengths, seconds, row fields) of
+    the timed run with the median total seconds; `seconds_runs` lists every timed run."""
+    first_run = sum(pipe.decoder.generate(group, seed=i * batch, **kw).seconds
+                    for i, group in enumerate(groups))
+    runs = [[pipe.decoder.generate(group, seed=i * batch, **kw)
+             for i, group in enumerate(groups)] for _ in range(repeats)]
+    totals = [sum(r.seconds for r in run) for run in runs]
+    median = sorted(range(repeats), key=totals.__getitem__)[(repeats - 1) // 2]
+    toks, accepts, prefill, widths = [], [], 0.0, {}
     batch_passes = slots = row_passes = 0
-    for i, group in enumerate(groups):
-        first_run += pipe.decoder.generate(group, seed=i * batch, **kw).seconds
-        res = pipe.decoder.generate(group, seed=i * batch, **kw)
-        seconds += res.seconds
+    for res in runs[median]:
         prefill += res.prefill_seconds
         toks += [list(g.tokens) for g in res.generations]
         accepts += [list(g.accept_lengths) if drafter else [1] * len(g.tokens)
                     for g in res.generations]
+        for g in res.generations:
+            for w, n in getattr(g, "verify_widths", {}).items():
+                widths[w] = widths.get(w, 0) + n
         # decode passes per row (the prefill emits the first token), and a batch decodes
         # until its row with the most passes is done
         passes = [len(g.accept_lengths) if drafter else len(g.tokens) - 1
                   for g in res.generations]
         batch_passes += max(passes)
-        slots += max(passes) * len(group)
+        slots += max(passes) * len(res.generations)
         row_passes += sum(passes)
+    seconds = totals[median]
     fields = dict(prefill_seconds=round(prefill, 4), batch_passes=batch_passes,
                   pass_ms=round(1e3 * (seconds - prefill) / batch_passes, 3),
                   row_pass_share=round(row_passes / slots, 3),
-                  first_run_seconds=round(first_run, 4))
+                  first_run_seconds=round(first_run, 4),
+                  seconds_runs=[round(t, 4) for t in totals])
+    if widths:
+        fields["verify_widths"] = {str(w): n for w, n in sorted(widths.items())}
     return toks, accepts, seconds, fields
 
 

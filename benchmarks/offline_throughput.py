@@ -14,8 +14,9 @@ For each method, temperature and row count B, the same prompts decode with
           serving engine's core, a finished row's slot taking the next prompt at once.
 Every row decodes exactly --max-new-tokens (EOS ignored), so every method emits the same
 tokens. Each (method, engine, T, B) compiles every shape it needs first, then decodes
-all prompts twice and times the second run (the first also pays XLA's one-time setup
-of each shape); tokens/s = all new tokens / decode seconds, compilation excluded. x_ar is
+all prompts once untimed (which also pays XLA's one-time setup of each shape) and, with
+static batches, --repeats timed runs (the median; `seconds_runs` lists each), with slots
+one timed run; tokens/s = all new tokens / decode seconds, compilation excluded. x_ar is
 tokens/s over AR's with the same engine, T and B; x_ar_best over AR's better engine.
 row_passes: the target passes of every row, summed (tokens per row pass: tau).
 `batch` rows also give batch_passes (each batch decodes until its row with the most
@@ -39,7 +40,7 @@ import sys
 from pathlib import Path
 
 from dspine_benchmarks.loop_vs_engine import batches, compile_shapes, read_prompts, time_engine
-from dspine_jax.speculative.policy import MODES, SpeculationConfig
+from dspine_jax.speculative.policy import MODES, SpeculationConfig, slot_acceptance
 
 ENGINES = ("batch", "slots")
 
@@ -61,22 +62,30 @@ def parse(argv=None):
     ap.add_argument("--proposal-kernel", default="auto", choices=["auto", "pallas", "xla"])
     ap.add_argument("--speculation", nargs="+", choices=MODES, default=["adaptive"],
                     help="drafters' verify widths, each mode a row of its own")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="timed runs of each static-batch cell after an untimed one (median)")
     ap.add_argument("--skip-ar", action="store_true")
     ap.add_argument("--compile-workers", type=int, default=8)
     ap.add_argument("--out", default=None, help="JSON, rewritten after every row")
     args = ap.parse_args(argv)
-    if args.num_prompts < 1 or args.max_new_tokens < 1 or min(args.rows) < 1:
-        ap.error("--num-prompts, --max-new-tokens and --rows must be positive")
+    if min(args.num_prompts, args.max_new_tokens, min(args.rows), args.repeats) < 1:
+        ap.error("--num-prompts, --max-new-tokens, --rows and --repeats must be positive")
     return args
 
 
-def run_batch(pipe, prompts, rows, kw, workers, drafter) -> dict:
-    """Static batches of `rows`, each timed on its second run (`loop_vs_engine`'s)."""
+def run_batch(pipe, prompts, rows, kw, workers, drafter, repeats) -> dict:
+    """Static batches of `rows`: the median of `repeats` timed runs after an untimed one
+    (`loop_vs_engine`'s). A drafter verifying its whole block on every pass also gives
+    its per-slot acceptance profile (what adaptive speculation's choice depends on)."""
     groups = batches(prompts, rows)
     compile_shapes(pipe.decoder, groups, workers, **kw)
-    tokens, accepts, seconds, fields = time_engine(pipe, groups, rows, drafter, kw)
+    tokens, accepts, seconds, fields = time_engine(pipe, groups, rows, drafter, kw, repeats)
     # a row's passes after the prefill, which emits its first token (AR: one per token)
     own = sum(len(a) for a in accepts) if drafter else sum(len(t) - 1 for t in tokens)
+    widest = drafter and pipe.decoder.default_width()
+    if drafter and set(fields.get("verify_widths", {})) == {str(widest)}:
+        kept = [a - 1 for row in accepts for a in row]
+        fields["acceptance_profile"] = [round(a, 4) for a in slot_acceptance(kept, widest)]
     return {"tokens": sum(len(t) for t in tokens), "seconds": seconds, "row_passes": own,
             **fields, "ms_per_pass": round(1e3 * seconds / fields["batch_passes"], 3)}, tokens
 
@@ -131,7 +140,8 @@ def main(argv=None):
                 for engine in args.engine:
                     pipe = pipes[engine]
                     got, tokens = (
-                        run_batch(pipe, prompts, b, kw, args.compile_workers, drafter)
+                        run_batch(pipe, prompts, b, kw, args.compile_workers, drafter,
+                                  args.repeats)
                         if engine == "batch" else run_slots(pipe, prompts, b, kw))
                     got["steps_per_call"] = pipe.decoder.steps_per_call
                     if t == 0 and method == "ar" and b not in greedy_ar:

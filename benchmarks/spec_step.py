@@ -15,6 +15,10 @@ For each method and batch size it times, on a state after prefill:
            nonzero and builds p and q for one row (DSpine's candidates from the
            `--proposal-kernel` implementation of vocab_top_k);
   accept   step - draft - verify: cache bookkeeping, context extension, emission.
+`--verify-width K ...` times the decode loop of each speculative method at each verify
+width (the first K drafts checked per pass; 0 is a plain AR step inside the speculative
+engine), the costs adaptive speculation chooses between; `speculation_projection.py` turns
+them into tokens/s at a measured acceptance profile.
 Drafters are freshly initialised (5 layers at the target's width, block 16): step times do
 not depend on their weights, acceptance does, so the implied speedup is reported at
 tau = 4, 6, 8 as tau * t_AR / t_step (against AR on the same backend and context). The
@@ -89,6 +93,9 @@ def parse_args(argv=None):
     add_step_args(p, sweep=True, methods=("ar", "dflash", "dspine"))
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-stages", action="store_true", help="skip the per-stage split")
+    p.add_argument("--verify-width", type=int, nargs="+", default=None, metavar="K",
+                   help="time each speculative method's step at each of these verify "
+                        "widths (default: the whole block only)")
     p.add_argument("--compile-workers", type=int, default=min(16, os.cpu_count() or 1),
                    help="cells compiled at once before any is timed")
     p.add_argument("--out", default=None)
@@ -181,17 +188,18 @@ def prepare_cell(method, b, context, backend, model, config, args, proposal="spa
 
 
 def bench(prepared, method, b, context, config, dtype, bandwidth, args, proposal,
-          temperature) -> dict:
-    """Time one cell that `prepare_cell` compiled."""
+          temperature, width=None) -> dict:
+    """Time one cell that `prepare_cell` compiled (a speculative one at verify `width`,
+    None: the whole block; another width compiles in the untimed first loop)."""
     decoder, drafter_params, run = prepared
     passes = args.calls * args.steps_per_call
 
     def loop():
-        state = run.decode(with_context(run.prefill(), context))
+        state = run.decode(with_context(run.prefill(), context), width)
         jax.block_until_ready(state)
         t0 = time.perf_counter()
         for _ in range(args.calls):
-            state = run.decode(state)
+            state = run.decode(state, width)
             jax.device_get(state.num_generated)
         return (time.perf_counter() - t0) / passes
 
@@ -205,8 +213,9 @@ def bench(prepared, method, b, context, config, dtype, bandwidth, args, proposal
                proposal=proposal if method != "ar" else "-", temperature=temperature,
                top_p=args.top_p if temperature else 1.0, top_k=args.top_k if temperature else 0,
                proposal_kernel=args.proposal_kernel)
-
-    if method != "ar" and not args.no_stages:
+    if method != "ar":
+        row["verify_width"] = decoder.default_width() if width is None else width
+    if method != "ar" and not args.no_stages and width in (None, decoder.default_width()):
         row.update(stage_times(decoder, run, b, context, args, temperature))
         row["accept_ms"] = row["step_ms"] - row["draft_ms"] - row["verify_ms"]
     return row
@@ -243,28 +252,31 @@ def main(argv=None):
     ar_ms = {}
     for (backend, context, b, temperature, method, proposal), ready in zip(todo, prepared):
         group = (backend, context, b, temperature)
-        row = bench(ready, method, b, context, config, dtype, bandwidth, args, proposal,
-                    temperature)
-        if method == "ar":
-            ar_ms[group] = row["step_ms"]
-        elif group in ar_ms:
-            for tau in (4, 6, 8):
-                row[f"speedup_tau{tau}"] = tau * ar_ms[group] / row["step_ms"]
-        row.update(target=args.target, prompt_len=args.prompt_len,
-                   block_size=args.block_size, draft_layers=args.draft_layers,
-                   bandwidth_GBps=bandwidth / 1e9, device=str(jax.devices()[0]),
-                   date=str(date.today()))
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
-    print(f"\n{'method':8} {'path':6} {'T':>4} {'attn':6} {'context':>7} {'B':>3} "
+        for width in ([None] if method == "ar" or not args.verify_width
+                      else args.verify_width):
+            row = bench(ready, method, b, context, config, dtype, bandwidth, args, proposal,
+                        temperature, width)
+            if method == "ar":
+                ar_ms[group] = row["step_ms"]
+            elif group in ar_ms and row["verify_width"] == args.block_size - 1:
+                for tau in (4, 6, 8):
+                    row[f"speedup_tau{tau}"] = tau * ar_ms[group] / row["step_ms"]
+            row.update(target=args.target, prompt_len=args.prompt_len,
+                       block_size=args.block_size, draft_layers=args.draft_layers,
+                       bandwidth_GBps=bandwidth / 1e9, device=str(jax.devices()[0]),
+                       date=str(date.today()))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+    print(f"\n{'method':8} {'path':6} {'k':>3} {'T':>4} {'attn':6} {'context':>7} {'B':>3} "
           f"{'step ms':>9} {'floor':>7} "
           f"{'draft':>7} {'verify':>7} {'accept':>7} {'x@tau4':>7} {'x@tau6':>7} {'x@tau8':>7}")
     for r in rows:
         f = lambda k: f"{r[k]:7.2f}" if k in r else "      -"  # noqa: E731
-        print(f"{r['method']:8} {r['proposal']:6} {r['temperature']:4.2g} "
+        print(f"{r['method']:8} {r['proposal']:6} {r.get('verify_width', '-'):>3} "
+              f"{r['temperature']:4.2g} "
               f"{r['attention_backend']:6} {r['context']:7d} {r['batch']:3d} "
               f"{r['step_ms']:9.3f} {f('floor_ms')} "
               f"{f('draft_ms')} {f('verify_ms')} {f('accept_ms')} {f('speedup_tau4')} "

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from dspine_benchmarks import offline_throughput
 from dspine_jax.cli import app
+from dspine_jax.speculative.policy import expected_tokens
 
 
 def test_rows_of_both_engines(tiny_llama_dir, tmp_path):
@@ -24,7 +26,7 @@ def test_rows_of_both_engines(tiny_llama_dir, tmp_path):
     offline_throughput.main([
         "--target", str(tiny_llama_dir), "--drafter", str(tmp_path / "d"), "--prompts",
         str(prompts), "--num-prompts", "5", "--rows", "2", "--max-new-tokens", "10",
-        "--dtype", "f32", "--speculation", "fixed", "--out", str(out)])
+        "--dtype", "f32", "--speculation", "fixed", "--repeats", "2", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert [(r["method"], r["engine"]) for r in rows] == [
         ("ar", "batch"), ("ar", "slots"), ("d", "batch"), ("d", "slots")]
@@ -39,5 +41,11 @@ def test_rows_of_both_engines(tiny_llama_dir, tmp_path):
     assert batch["row_passes"] == slots["row_passes"] and batch["tau"] == slots["tau"]
     assert batch["batch_passes"] * 2 >= batch["row_passes"] and batch["row_pass_share"] <= 1
     assert slots["steps"] > 0 and slots["preemptions"] == 0
+    # static batches: the median of the timed runs, and the drafter's per-slot profile
+    # (every pass verified the whole block of 3 drafts) gives back its tau
+    assert len(ar_batch["seconds_runs"]) == len(batch["seconds_runs"]) == 2
+    assert batch["verify_widths"] == {"3": batch["row_passes"]}
+    assert expected_tokens(batch["acceptance_profile"], 3) == pytest.approx(batch["tau"],
+                                                                           abs=2e-3)
     # float32 at T = 0: every engine emits AR's own tokens
     assert [r["same_as_ar"] for r in rows] == [1.0] * 4

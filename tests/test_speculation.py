@@ -12,7 +12,8 @@ from dspine_jax.engine import SpeculativeEngine
 from dspine_jax.errors import InputError
 from dspine_jax.generate import AutoregressiveGenerator
 from dspine_jax.speculative.policy import (AcceptanceStats, CostTable, SpeculationConfig,
-                                           SpeculationPolicy, expected_tokens)
+                                           SpeculationPolicy, expected_tokens,
+                                           slot_acceptance)
 from tests.test_engine import (PROMPTS, SAMPLING, SMALL, build, chi2_pvalue,
                                exact_two_token_distribution, sample_pairs)
 
@@ -40,6 +41,18 @@ def test_expected_tokens_is_the_chain_rule():
     assert expected_tokens([0.5] * 15, 0) == 1.0
     assert expected_tokens([0.5] * 15, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
     assert expected_tokens([1.0] * 15, 15) == 16.0
+
+
+def test_slot_acceptance_gives_back_the_mean_accepted_length():
+    """The profile of whole-block passes reproduces their mean tokens per pass exactly
+    (float64 numpy as the reference), and reads the rates off the histogram."""
+    kept = np.random.default_rng(0).geometric(0.35, size=500) - 1
+    kept = np.minimum(kept, 7)
+    alpha = slot_acceptance(kept.tolist(), 7)
+    assert expected_tokens(alpha, 7) == pytest.approx(1 + kept.mean(), rel=1e-12)
+    assert alpha[0] == pytest.approx(np.mean(kept >= 1))
+    assert alpha[1] == pytest.approx(np.mean(kept >= 2) / np.mean(kept >= 1))
+    assert slot_acceptance([0, 0, 2], 4) == [1 / 3, 1.0, 0.0, 0.0]
 
 
 def test_acceptance_stats_count_the_slots_a_pass_reached():
@@ -270,3 +283,26 @@ def test_info_speculation_costs(tiny_llama_dir, tiny_dspine_dir, tmp_path, monke
     pipe = Pipeline.load(str(tiny_llama_dir), str(tiny_dspine_dir), dtype="f32")
     assert str(pipe.decoder.policy_file()) == report["cost_file"]
     assert set(pipe.decoder.policy.costs.measured(2)) == {0, 1, 3}
+
+
+def test_projection_picks_per_batch_from_measured_pass_times(tmp_path):
+    """speculation_projection: tokens/s = B * E_k / c(B, k); a cheap block keeps the whole
+    block, a costly one at batch 8 falls back to a narrower width."""
+    from dspine_benchmarks import speculation_projection as sp
+
+    alpha = [0.8] * 15
+    steps = [{"method": "ar", "batch": b, "step_ms": 10.0} for b in (1, 8)]
+    steps += [{"method": "dspine", "batch": 1, "verify_width": k, "step_ms": ms}
+              for k, ms in ((0, 10.5), (3, 12.0), (15, 13.0))]
+    steps += [{"method": "dspine", "batch": 8, "verify_width": k, "step_ms": ms}
+              for k, ms in ((0, 10.5), (3, 14.0), (15, 40.0))]
+    (tmp_path / "s.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+    (tmp_path / "p.json").write_text(json.dumps(alpha))
+    sp.main(["--steps", str(tmp_path / "s.jsonl"), "--profile", str(tmp_path / "p.json"),
+             "--out", str(tmp_path / "o.json")])
+    one, eight = json.loads((tmp_path / "o.json").read_text())["rows"]
+    assert one["adaptive_width"] == 15 and one["x_fixed"] == 1.0
+    assert one["x_ar_fixed"] == pytest.approx(expected_tokens(alpha, 15) * 10 / 13, abs=1e-3)
+    assert eight["adaptive_width"] == 3
+    assert eight["x_fixed"] == pytest.approx(
+        expected_tokens(alpha, 3) / 14 / (expected_tokens(alpha, 15) / 40), abs=1e-3)

@@ -96,6 +96,18 @@ def expected_tokens(alpha: list[float], width: int) -> float:
     return total
 
 
+def slot_acceptance(kept: list[int], slots: int) -> list[float]:
+    """The per-slot acceptance profile of passes that each verified `slots` drafts and kept
+    the first kept[p]: alpha_i = P(kept >= i) / P(kept >= i - 1), so expected_tokens of
+    it at `slots` is 1 + mean(kept). A slot never reached takes its predecessor's rate."""
+    reach = [sum(k >= i for k in kept) for i in range(slots + 1)]
+    alpha, last = [], 0.0
+    for i in range(1, slots + 1):
+        last = reach[i] / reach[i - 1] if reach[i - 1] else last
+        alpha.append(last)
+    return alpha
+
+
 class AcceptanceStats:
     """Decayed counts per drafted slot i (1-based): passes that verified slot i with every
     earlier slot accepted ("reached"), and those that kept it. alpha_i = kept / reached,
