@@ -1,0 +1,72 @@
+"""The median of repeated `dspine bench serve` runs, per server and concurrency level, side
+by side, with each server's x over the first one (the AR server).
+
+    for r in 1 2 3 4 5; do
+        dspine bench serve --base-url URL --concurrency 1 8 32 64 --out runs/ar/run$r ...
+    done
+    python -m dspine_benchmarks.serving_summary runs/ar runs/dspine --out summary.json
+
+Each folder holds one server's runs (any results.json below it; a level may come from
+several invocations, e.g. concurrency 1 with fewer prompts). Per level: the median output
+tokens/s over the runs (with the min and max), and the medians of TTFT p50, ITL p50 and
+tau; failures are summed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+
+def collect(folder: Path) -> dict[int, list[dict]]:
+    """concurrency -> that level's result from every run under `folder`."""
+    levels: dict[int, list[dict]] = {}
+    for path in sorted(folder.rglob("results.json")):
+        for level in json.loads(path.read_text())["levels"]:
+            levels.setdefault(level["concurrency"], []).append(level)
+    if not levels:
+        raise SystemExit(f"{folder}: no results.json below it")
+    return levels
+
+
+def summarise(levels: dict[int, list[dict]]) -> dict[int, dict]:
+    out = {}
+    for c, runs in sorted(levels.items()):
+        tps = [r["output_throughput"] for r in runs]
+        out[c] = {"runs": len(runs), "output_tokens_per_s": statistics.median(tps),
+                  "min": min(tps), "max": max(tps),
+                  "completed": sum(r["completed"] for r in runs),
+                  "failed": sum(r["failed"] for r in runs),
+                  "ttft_p50_ms": statistics.median(r["median_ttft_ms"] for r in runs),
+                  "itl_p50_ms": statistics.median(r["median_itl_ms"] for r in runs),
+                  "tau": statistics.median(r["accept_length"] for r in runs)}
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("folders", type=Path, nargs="+", help="one per server; the first is the "
+                    "baseline of the x column")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    table = {f.name: summarise(collect(f)) for f in args.folders}
+    base = table[args.folders[0].name]
+    print("| server | concurrency | runs | ok | output tok/s median (min-max) | x first "
+          "| TTFT p50 ms | ITL p50 ms | tau |")
+    print("|" + "---|" * 9)
+    for name, levels in table.items():
+        for c, s in levels.items():
+            ref = base.get(c, {}).get("output_tokens_per_s")
+            s["x_first"] = round(s["output_tokens_per_s"] / ref, 3) if ref else None
+            print(f"| {name} | {c} | {s['runs']} | {s['completed']}/{s['completed'] + s['failed']}"
+                  f" | {s['output_tokens_per_s']:,.0f} ({s['min']:,.0f}-{s['max']:,.0f}) | "
+                  f"{s['x_first'] or '-'} | {s['ttft_p50_ms']:.0f} | {s['itl_p50_ms']:.1f} | "
+                  f"{s['tau']:.2f} |")
+    if args.out:
+        args.out.write_text(json.dumps(table, indent=1))
+
+
+if __name__ == "__main__":
+    main()
