@@ -184,6 +184,8 @@ def prepare_cell(method, b, context, backend, model, config, args, proposal="spa
                                                 size=(b, args.prompt_len)).tolist()
     run = decoder.prepare(prompts, max_new_tokens=new_tokens, ignore_eos=True,
                           **sampling_options(args, temperature))
+    for width in (args.verify_width or []) if method != "ar" else []:
+        jax.block_until_ready(run.decode(run.prefill(), width))    # compiles that width
     return decoder, drafter_params, run
 
 
