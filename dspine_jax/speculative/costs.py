@@ -36,7 +36,7 @@ def measure(engine, batch_sizes: list[int], repeats: int = 3, seed: int = 0) -> 
                 state = jax.block_until_ready(run.decode(state, width))
                 if attempt:
                     samples.append((time.perf_counter() - start) / engine.steps_per_call)
-            engine.policy.costs.seconds[(rows, width)] = statistics.median(samples)
+            engine.policy.costs.set(rows, width, statistics.median(samples))
     engine.policy.save(engine.policy_file())
 
 

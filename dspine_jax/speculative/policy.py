@@ -17,13 +17,16 @@ tokens are the same for every k.
 Both inputs are measured as decoding runs, host-side, with no device work of their own:
   AcceptanceStats  per row (a request), decayed counts of slots reached and accepted,
                    with the pool of every row seen as the prior of a new one
-  CostTable        seconds per pass by (batch, width), from the wall time of each call;
-                   a width not yet run is interpolated in verified tokens
-The first calls of a batch shape run the widest width, then a plain step, to measure
-both ends; then the policy re-runs the end it has not run lately every `probe_every` calls
-or, where that end costs much more than the chosen width, as seldom as keeps the probes
-under `probe_budget` of the time, so acceptance of deep slots and the cost of the cheap
-step stay current. The costs and the pooled acceptance are saved in a small JSON file
+  CostTable        seconds per pass by (batch, width): the median of each width's latest
+                   calls (wall time), so one slow call moves nothing; a width not yet
+                   run is interpolated in verified tokens
+The first calls of a batch shape run the widest width, then a plain step, a few calls
+each, to measure both ends; then the policy re-runs the end it has not run lately every
+`probe_every` calls or, where running it gives up much throughput, as seldom as keeps
+that loss under `probe_budget` (but at least every `probe_max` calls), so the acceptance
+of deep slots and the cost of the other end stay current. A call whose time contradicts
+its width's cost is repeated at once, so a cost measured wrong (a first run, another
+process compiling) is replaced within a few calls instead of steering the choice. The costs and the pooled acceptance are saved in a small JSON file
 per device, target and drafter (`save`/`load`), so a new process starts where the last
 one stopped instead of measuring again.
 
@@ -34,10 +37,12 @@ timings. `fixed` (every pass the widest width) reproduces a seed's output exactl
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
 import os
+import statistics
 from pathlib import Path
 
 from dspine_jax.errors import InputError
@@ -142,20 +147,32 @@ class AcceptanceStats:
 
 
 class CostTable:
-    """Seconds per pass by (batch rows, verify width): the mean of the latest calls
-    (exponential, weight `smoothing` for the newest). A width not yet measured at a batch
-    is interpolated linearly in verified tokens (width + 1) between the measured widths
-    around it, or held at the nearest measured one beyond them."""
+    """Seconds per pass by (batch rows, verify width): the median of the latest `window`
+    calls, trusted once `min_samples` are in, so one slow call (a program's first run on
+    the device, a host stall, another process compiling) moves nothing. A width not yet
+    measured at a batch is interpolated linearly in verified tokens (width + 1) between the
+    measured widths around it, or held at the nearest measured one beyond them."""
 
-    def __init__(self, smoothing: float = 0.3):
-        self.smoothing = smoothing
-        self.seconds: dict[tuple[int, int], float] = {}
+    def __init__(self, window: int = 5, min_samples: int = 3):
+        self.window, self.min_samples = window, min_samples
+        self.samples: dict[tuple[int, int], collections.deque] = {}
 
     def observe(self, rows: int, width: int, seconds_per_pass: float) -> None:
         key = (rows, width)
-        old = self.seconds.get(key)
-        self.seconds[key] = (seconds_per_pass if old is None else
-                             (1 - self.smoothing) * old + self.smoothing * seconds_per_pass)
+        if key not in self.samples:
+            self.samples[key] = collections.deque(maxlen=self.window)
+        self.samples[key].append(seconds_per_pass)
+
+    def set(self, rows: int, width: int, seconds_per_pass: float) -> None:
+        """A cost measured on purpose (a file, `dspine info --speculation-costs`): it counts
+        as `min_samples` calls, so it is trusted at once and live calls can replace it."""
+        self.samples[(rows, width)] = collections.deque([seconds_per_pass] * self.min_samples,
+                                                        maxlen=self.window)
+
+    @property
+    def seconds(self) -> dict[tuple[int, int], float]:
+        return {k: statistics.median(v) for k, v in self.samples.items()
+                if len(v) >= self.min_samples}
 
     def measured(self, rows: int) -> dict[int, float]:
         return {w: s for (r, w), s in self.seconds.items() if r == rows}
@@ -177,21 +194,31 @@ class CostTable:
     def rows(self) -> list[int]:
         return sorted({r for r, _ in self.seconds})
 
+    def surprised(self, rows: int, width: int, seconds_per_pass: float,
+                  margin: float = 0.25) -> bool:
+        """Whether a new sample is more than `margin` off the trusted median."""
+        known = self.seconds.get((rows, width))
+        return known is not None and abs(seconds_per_pass - known) > margin * known
+
 
 class SpeculationPolicy:
     """Picks each call's verify width; `observe_call` and `observe_pass` feed it."""
 
     def __init__(self, config: SpeculationConfig, block_size: int, *, probe_every: int = 16,
-                 probe_budget: float = 0.03, tolerance: float = 0.05,
+                 probe_budget: float = 0.01, probe_max: int = 256, tolerance: float = 0.05,
                  costs: CostTable | None = None):
         self.config = config
         self.slots = block_size - 1
         self.widths = config.widths(block_size)
-        self.probe_every, self.probe_budget, self.tolerance = probe_every, probe_budget, tolerance
+        self.probe_every, self.probe_budget, self.probe_max = probe_every, probe_budget, probe_max
+        self.tolerance = tolerance
         self.costs = costs or CostTable()
         self.pool = AcceptanceStats(self.slots, decay=0.995)   # every row: a new row's prior
         self.calls: dict[int, int] = {}                          # calls per batch size
         self.last_run: dict[tuple[int, int], int] = {}           # (rows, width) -> call
+        # (rows, width) whose last call disagreed with its trusted cost: run again soon,
+        # at most `min_samples` times in a row, until the median follows or the call agrees
+        self.recheck: dict[tuple[int, int], int] = {}
 
     def new_row(self) -> AcceptanceStats:
         return AcceptanceStats(self.slots, prior=self.pool.alpha(), prior_weight=4.0)
@@ -201,8 +228,14 @@ class SpeculationPolicy:
         self.pool.observe(width, accepted)
 
     def observe_call(self, rows: int, width: int, seconds: float, passes: int) -> None:
-        if passes > 0 and seconds > 0:
-            self.costs.observe(rows, width, seconds / passes)
+        if passes <= 0 or seconds <= 0:
+            return
+        key = (rows, width)
+        if self.costs.surprised(rows, width, seconds / passes):
+            self.recheck[key] = self.recheck.get(key, self.costs.min_samples)
+        else:
+            self.recheck.pop(key, None)
+        self.costs.observe(rows, width, seconds / passes)
 
     def scores(self, rows: int, active: list[AcceptanceStats]) -> dict[int, float]:
         """Expected tokens per second of each width for these rows (None where unknown)."""
@@ -238,11 +271,18 @@ class SpeculationPolicy:
         scores = {w: s for w, s in self.scores(rows, active or [self.pool]).items()
                   if w in widths}
         width = self.pick(scores)
-        # the end least recently run, to refresh what the chosen width cannot see
+        # an end whose last call contradicted its cost is run again at once (a cost that
+        # was measured wrong must not stick); else the end least recently run, to refresh
+        # what the chosen width cannot see, as often as the throughput it gives up allows
+        for end in (lo, hi):
+            if end != width and self.recheck.get((rows, end), 0) > 0:
+                self.recheck[(rows, end)] -= 1
+                return self._ran(rows, end, call)
         end = min((lo, hi), key=lambda w: self.last_run.get((rows, w), -1))
         if end != width:
-            extra = max(0.0, known[end] / self.costs.estimate(rows, width) - 1)
-            every = max(self.probe_every, math.ceil(extra / self.probe_budget))
+            loss = max(0.0, 1 - scores[end] / scores[width])
+            every = min(self.probe_max,
+                        max(self.probe_every, math.ceil(loss / self.probe_budget)))
             if call - self.last_run.get((rows, end), -1) >= every:
                 width = end
         return self._ran(rows, width, call)
@@ -271,7 +311,9 @@ class SpeculationPolicy:
             return False
         if len(alpha) != self.slots:
             return False
-        self.costs.seconds.update({k: v for k, v in costs.items() if k[1] in self.widths})
+        for (rows, width), seconds in costs.items():
+            if width in self.widths:
+                self.costs.set(rows, width, seconds)
         self.pool.prior = alpha
         return True
 
