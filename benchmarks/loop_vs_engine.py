@@ -133,7 +133,7 @@ def parse(argv=None):
 def read_prompts(path: str, n: int):
     """The first n prompts of a JSONL file (the format of `dspine generate --prompts-file`),
     checked before anything loads."""
-    from dspine_jax.cli import read_prompts_file
+    from dspine_cli.main import read_prompts_file
     from dspine_jax.errors import InputError
 
     prompts = read_prompts_file(Path(path), default_chat=False)[:n]

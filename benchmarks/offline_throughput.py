@@ -10,7 +10,7 @@ For each method, temperature and row count B, the same prompts decode with
   batch   the batch engine: static batches of B, each until its row with the most target
           passes is done (a speculative row advances by its own accepted length per pass,
           so the slowest row sets the batch's passes);
-  slots   `dspine_serve.offline` (`dspine generate --engine slots`): B slots of the
+  slots   `dspine_jax.runtime.offline` (`dspine generate --engine slots`): B slots of the
           serving engine's core, a finished row's slot taking the next prompt at once.
 Every row decodes exactly --max-new-tokens (EOS ignored), so every method emits the same
 tokens. Each (method, engine, T, B) compiles every shape it needs first, then decodes
@@ -92,7 +92,7 @@ def run_batch(pipe, prompts, rows, kw, workers, drafter, repeats) -> dict:
 
 def run_slots(pipe, prompts, rows, kw) -> dict:
     """`rows` slots of the serving engine's core, the second of two runs."""
-    from dspine_serve.offline import generate_slots
+    from dspine_jax.runtime.offline import generate_slots
 
     compiled = generate_slots(pipe.decoder, prompts, max_slots=rows, **kw).compile_seconds
     run = generate_slots(pipe.decoder, prompts, max_slots=rows, **kw)

@@ -278,7 +278,7 @@ class Pipeline:
                  batch_size: int = 8) -> list[Result]:
         """Decode prompts in batches of `batch_size`; results keep the input order.
         `chat` overrides every prompt's own flag when given. (Continuous batching over
-        slots instead: `dspine_serve.offline.generate`.)"""
+        slots instead: `dspine_jax.runtime.offline.generate`.)"""
         validate_sampling(temperature, top_p, top_k)
         prompts = as_prompts(prompts, chat)
         results = []

@@ -31,7 +31,7 @@ from starlette.requests import ClientDisconnect
 
 from dspine_jax.errors import InputError
 from dspine_serve.detokenizer import IncrementalDetokenizer
-from dspine_serve.engine_core import RequestOutput, SamplingOptions
+from dspine_jax.runtime.engine_core import RequestOutput, SamplingOptions
 from dspine_serve.engine_loop import (Draining, EngineDead, EngineLoop, QueueFull,
                                       RequestStream, Starting)
 from dspine_serve.metrics import ServerMetrics

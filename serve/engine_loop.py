@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from dspine_serve.engine_core import (EngineCore, EngineStats, QueueFull, RequestOutput,
+from dspine_jax.runtime.engine_core import (EngineCore, EngineStats, QueueFull, RequestOutput,
                                       SamplingOptions)
 
 log = logging.getLogger("dspine_serve")

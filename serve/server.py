@@ -23,7 +23,7 @@ import uvicorn
 
 from dspine_jax.errors import InputError
 from dspine_serve.app import create_app
-from dspine_serve.engine_core import DEFAULT_PREFILL_CHUNK, EngineCore
+from dspine_jax.runtime.engine_core import DEFAULT_PREFILL_CHUNK, EngineCore
 from dspine_serve.engine_loop import EngineLoop
 
 log = logging.getLogger("dspine_serve")

@@ -124,7 +124,7 @@ def test_prompt_past_the_context(qwen_dir):
 def test_cli_reports_errors_without_traceback(tmp_path):
     from typer.testing import CliRunner
 
-    from dspine_jax.cli import app
+    from dspine_cli.main import app
 
     result = CliRunner().invoke(app, ["generate", "--prompt", "hi", "--target", str(tmp_path)])
     assert result.exit_code == 2
@@ -179,7 +179,7 @@ def weightless_drafter(tmp_path):
 def test_generate_checks_before_loading(loads_nothing, tmp_path, args, message):
     from typer.testing import CliRunner
 
-    from dspine_jax.cli import app
+    from dspine_cli.main import app
 
     (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n{"prompt": ""}\n')
     fill = {"tmp": str(tmp_path), "weightless": str(weightless_drafter(tmp_path)),
@@ -230,7 +230,7 @@ def test_proposal_options_are_checked_before_loading(loads_nothing, tmp_path, co
                                                      message):
     from typer.testing import CliRunner
 
-    from dspine_jax.cli import app
+    from dspine_cli.main import app
 
     line = [a.format(tmp=tmp_path) for a in PROPOSAL_COMMANDS[command]] + args
     result = CliRunner().invoke(app, line)
@@ -244,7 +244,7 @@ def test_proposal_options_reach_the_pipeline(monkeypatch, tmp_path, command):
     """What the command passes on, stopped where the target would load."""
     from typer.testing import CliRunner
 
-    from dspine_jax.cli import app
+    from dspine_cli.main import app
 
     seen = {}
 
@@ -273,7 +273,7 @@ def test_pallas_backend_names_the_head_dims_it_supports(tiny_llama_dir):
     """The tiny Llama's head dim 16 is not one the paged-attention kernel runs."""
     from typer.testing import CliRunner
 
-    from dspine_jax.cli import app
+    from dspine_cli.main import app
 
     result = CliRunner().invoke(app, ["generate", "--target", str(tiny_llama_dir), "-p", "hi",
                                       "-n", "2", "--attention-backend", "pallas"])
@@ -308,7 +308,7 @@ def test_method_is_whatever_the_drafter_is():
 def test_eval_checks_before_loading(loads_nothing, tmp_path, args, message):
     from typer.testing import CliRunner
 
-    from dspine_jax.cli import app
+    from dspine_cli.main import app
 
     weightless = weightless_drafter(tmp_path)
     args = [a.format(weightless=weightless) for a in args]
@@ -322,7 +322,7 @@ def test_eval_checks_before_loading(loads_nothing, tmp_path, args, message):
 def test_eval_refuses_a_folder_with_results(loads_nothing, tmp_path):
     from typer.testing import CliRunner
 
-    from dspine_jax.cli import app
+    from dspine_cli.main import app
 
     (tmp_path / "results.json").write_text('{"earlier": "run"}')
     result = CliRunner().invoke(app, ["eval", "--benchmarks", "mtbench", "--out",
@@ -400,7 +400,7 @@ def test_speculation_options_are_checked_before_loading(loads_nothing, tmp_path,
                                                         args, message):
     from typer.testing import CliRunner
 
-    from dspine_jax.cli import app
+    from dspine_cli.main import app
 
     line = [a.format(tmp=tmp_path) for a in PROPOSAL_COMMANDS[command]] + args
     result = CliRunner().invoke(app, line)
@@ -414,7 +414,7 @@ def test_a_busy_port_is_an_error_before_loading(loads_nothing):
 
     from typer.testing import CliRunner
 
-    from dspine_jax.cli import app
+    from dspine_cli.main import app
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from dspine_jax.cli import app
+from dspine_cli.main import app
 from dspine_jax.registry import BUILTIN_DRAFTERS
 
 ROOT = Path(__file__).parents[1]

@@ -256,7 +256,7 @@ def test_slot_engine_gives_each_response_its_own_seed(tiny, tmp_path, monkeypatc
         assert manifest["compile_seconds"] > 0  # every call shape compiled before decoding
         runs[shard] = [s.tokens.tolist() for s in load_dataset(tmp_path / f"shard{shard}")]
     assert runs[2] == runs[6] and len(runs[2]) == 5 * 3
-    from dspine_serve import slot_steps
+    from dspine_jax.runtime import slot_steps
     decode_modes = {key[1][2] for key in slot_steps.compiled(pipe.decoder)._executables
                     if key[0] == "decode"}
     assert decode_modes == {"greedy", "unfiltered"}  # no row filters: none compiled

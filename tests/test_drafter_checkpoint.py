@@ -13,7 +13,7 @@ from flax import nnx
 from safetensors import safe_open
 from typer.testing import CliRunner
 
-from dspine_jax.cli import app
+from dspine_cli.main import app
 from dspine_jax.drafters.checkpoint import load_drafter, save_drafter
 from dspine_jax.drafters.config import DrafterConfig
 from dspine_jax.errors import CheckpointError, ConfigError

@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from dspine_jax.cli import app
+from dspine_cli.main import app
 from dspine_jax.evaluation.benchmarks import BENCHMARKS, load_benchmark
 
 

@@ -9,7 +9,7 @@ import json
 from typer.testing import CliRunner
 
 from dspine_benchmarks import loop_vs_engine
-from dspine_jax.cli import app
+from dspine_cli.main import app
 
 
 def test_jax_rows_split_prefill_and_passes(tiny_llama_dir, tmp_path):

@@ -1,4 +1,4 @@
-"""Offline continuous batching (`dspine_serve.offline.generate`, `dspine generate --engine
+"""Offline continuous batching (`dspine_jax.runtime.offline.generate`, `dspine generate --engine
 slots`): at T = 0
 it equals the static batch engine token for token (the target's greedy output), acceptance
 lengths included; a sampled prompt's response depends on its seed alone, not on the slot
@@ -18,7 +18,7 @@ from dspine_jax.api import Pipeline
 from dspine_jax.checkpoints import load_target
 from dspine_jax.errors import InputError
 from dspine_jax.speculative.policy import SpeculationConfig
-from dspine_serve.offline import generate as generate_in_slots
+from dspine_jax.runtime.offline import generate as generate_in_slots
 
 PROMPTS = ["the quick brown fox", "hello world", "def f(x):", "the lazy dog", "over the",
            "jumps over the lazy dog", "brown fox hello"]
@@ -71,7 +71,7 @@ def test_sampled_response_depends_on_its_seed_not_the_slot_count(dspine):
 
 
 def test_bad_input_is_refused_before_compiling(dspine, monkeypatch):
-    from dspine_serve.engine_core import EngineCore
+    from dspine_jax.runtime.engine_core import EngineCore
 
     def no_warmup(*_, **__):
         raise AssertionError("compiled before checking the input")
@@ -87,7 +87,7 @@ def test_bad_input_is_refused_before_compiling(dspine, monkeypatch):
 
 
 def test_generate_command_with_slots(tiny_llama_dir, loaded, tmp_path):
-    from dspine_jax.cli import app
+    from dspine_cli.main import app
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:5]))

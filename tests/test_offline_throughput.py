@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dspine_benchmarks import offline_throughput
-from dspine_jax.cli import app
+from dspine_cli.main import app
 from dspine_jax.speculative.policy import expected_tokens
 
 

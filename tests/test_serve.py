@@ -34,7 +34,7 @@ from dspine_jax.checkpoints import load_target  # noqa: E402
 from dspine_jax.errors import InputError  # noqa: E402
 from dspine_jax.speculative.policy import SpeculationConfig  # noqa: E402
 from dspine_serve.detokenizer import IncrementalDetokenizer  # noqa: E402
-from dspine_serve.engine_core import EngineCore, SamplingOptions  # noqa: E402
+from dspine_jax.runtime.engine_core import EngineCore, SamplingOptions  # noqa: E402
 from dspine_serve.server import DrainingServer, build  # noqa: E402
 from pallas_kernels.switches import Switches  # noqa: E402
 
@@ -641,7 +641,7 @@ def test_shutdown_cancels_what_outlives_the_grace_period(pipe):
 def test_bench_serve_cli(served, tmp_path):
     from typer.testing import CliRunner
 
-    from dspine_jax.cli import app
+    from dspine_cli.main import app
 
     prompts = tmp_path / "prompts.jsonl"
     lines = [{"prompt": "hi " * 300, "chat": False}]    # too long: skipped, as bench_serving

@@ -265,7 +265,7 @@ def test_sglang_reads_the_exported_config_as_our_drafter(tmp_path, kind):
     parse = _sglang_dflash_parser()
     from typer.testing import CliRunner
 
-    from dspine_jax.cli import app
+    from dspine_cli.main import app
     from dspine_torch import load_drafter
     from tests.torch_port_golden import FIXTURES, TARGET
 

@@ -94,7 +94,7 @@ def test_greedy_continuations_match_transformers(ours, reference):
 def test_cli_generate_json(smollm2_path):
     from typer.testing import CliRunner
 
-    from dspine_jax.cli import app
+    from dspine_cli.main import app
 
     result = CliRunner().invoke(app, ["generate", "--prompt", "The capital of France is",
                                       "--max-new-tokens", "6", "--json", "--dtype", "f32"])
@@ -134,7 +134,7 @@ def test_the_readme_parity_check_runs_on_the_builtin_pair(tmp_path):
 
     from typer.testing import CliRunner
 
-    from dspine_jax.cli import app
+    from dspine_cli.main import app
     from dspine_jax.parity import DEFAULT_TEXTS
 
     readme = (Path(__file__).parents[1] / "README.md").read_text()

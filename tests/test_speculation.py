@@ -134,8 +134,9 @@ def test_costs_are_medians_of_the_latest_calls():
     table = CostTable(window=5, min_samples=3)
     table.observe(8, 15, 9.0)                           # a first run: slow
     table.observe(8, 15, 2.0)
-    assert table.estimate(8, 15) is None                # not trusted yet
+    assert table.trusted(8) == set()                    # not trusted yet
     table.observe(8, 15, 2.2)
+    assert table.trusted(8) == {15}
     assert table.estimate(8, 15) == 2.2                 # the outlier moves nothing
     for s in (3.0, 3.1, 3.2):
         table.observe(8, 15, s)
@@ -236,7 +237,7 @@ def test_speculation_modes_benchmark(tiny_llama_dir, tiny_dspine_dir, tmp_path):
 
 # ----- the serving engine -------------------------------------------------------------------
 def serve_all(core, prompts, **options):
-    from dspine_serve.engine_core import SamplingOptions
+    from dspine_jax.runtime.engine_core import SamplingOptions
 
     for i, p in enumerate(prompts):
         core.add_request(str(i), p, SamplingOptions(**options))
@@ -254,7 +255,7 @@ def test_serving_engine_follows_the_cost_table(cheap):
     """A slot engine under adaptive speculation verifies no draft where the table says a
     plain step is cheaper, the whole block where speculation is; T = 0 tokens are AR's
     either way."""
-    from dspine_serve.engine_core import EngineCore
+    from dspine_jax.runtime.engine_core import EngineCore
 
     target, drafter = build(kind="dspine", block=8)
     ar = AutoregressiveGenerator(target, eos_token_ids=[0])
@@ -273,8 +274,25 @@ def test_serving_engine_follows_the_cost_table(cheap):
     assert used == {cheap}
 
 
+def test_serving_warmup_teaches_the_policy_nothing():
+    """Warm-up runs each program's first call (one-time device setup included) on a dummy
+    prompt: neither its times nor its acceptance reach the policy; served requests do."""
+    from dspine_jax.runtime.engine_core import EngineCore
+
+    target, drafter = build(kind="dspine", block=8)
+    engine = SpeculativeEngine(target, drafter, eos_token_ids=[0], steps_per_call=2,
+                               speculation=SpeculationConfig("adaptive"))
+    engine.policy.costs = CostTable()
+    prior = engine.policy.pool.alpha()
+    core = EngineCore(engine, max_slots=2, max_model_len=64)
+    core.warmup(modes=("greedy",))
+    assert engine.policy.costs.samples == {} and engine.policy.pool.alpha() == prior
+    serve_all(core, PROMPTS[:2], max_tokens=12)
+    assert engine.policy.costs.samples and engine.policy.pool.alpha() != prior
+
+
 def test_a_seeded_sample_is_served_at_one_width():
-    from dspine_serve.engine_core import EngineCore
+    from dspine_jax.runtime.engine_core import EngineCore
 
     target, drafter = build(kind="dspine", block=8)
     engine = SpeculativeEngine(target, drafter, eos_token_ids=[0], steps_per_call=2,
@@ -297,7 +315,7 @@ def test_info_speculation_costs(tiny_llama_dir, tiny_dspine_dir, tmp_path, monke
     from typer.testing import CliRunner
 
     from dspine_jax.api import Pipeline
-    from dspine_jax.cli import app
+    from dspine_cli.main import app
 
     monkeypatch.setenv("DSPINE_CACHE_DIR", str(tmp_path / "cache"))
     result = CliRunner().invoke(app, [

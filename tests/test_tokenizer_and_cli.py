@@ -9,7 +9,7 @@ import os
 import pytest
 from typer.testing import CliRunner
 
-from dspine_jax.cli import app
+from dspine_cli.main import app
 from dspine_jax.checkpoints import load_target
 from dspine_jax.tokenizer import TextTokenizer
 
@@ -72,7 +72,7 @@ def test_cli_streams_text(tiny_llama_dir):
 
 def test_summary_line_says_why_generation_stopped():
     from dspine_jax.api import Result
-    from dspine_jax.cli import summary_line
+    from dspine_cli.main import summary_line
 
     result = Result(text="x", tokens=[1, 2, 3], prompt_tokens=2, finish_reason="stop",
                     accept_lengths=[2], seconds=1.0, compile_seconds=0.0, batch_size=1,

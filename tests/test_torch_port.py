@@ -291,7 +291,7 @@ def test_jax_side_reproduces_the_golden_records(kind):
 def export(tmp_path, source, *extra):
     from typer.testing import CliRunner
 
-    from dspine_jax.cli import app
+    from dspine_cli.main import app
 
     out = tmp_path / "export"
     result = CliRunner().invoke(app, ["export", "--drafter", str(source), "--out", str(out),
@@ -393,7 +393,7 @@ def test_remote_code_files_import_only_torch_and_transformers():
 def test_parity_command(tmp_path):
     from typer.testing import CliRunner
 
-    from dspine_jax.cli import app
+    from dspine_cli.main import app
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"token_ids": PROMPTS[1]}) + "\n")

@@ -17,7 +17,7 @@ import pytest
 from safetensors.numpy import load_file
 from typer.testing import CliRunner
 
-from dspine_jax.cli import app
+from dspine_cli.main import app
 from dspine_jax.data.prompts import is_held_out
 from dspine_jax.data.shards import load_dataset, read_manifest
 from dspine_jax.errors import ConfigError, InputError

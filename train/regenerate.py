@@ -204,7 +204,7 @@ def slot_engine(decoder, max_slots: int, longest: int, num_pages: int | None = N
     smaller pool fits more slots in the same memory and preempts the newest response when
     it runs short (it is recomputed later from its own seed: the data do not change)."""
     from dspine_jax.kv_cache import pages_needed
-    from dspine_serve.engine_core import EngineCore
+    from dspine_jax.runtime.engine_core import EngineCore
 
     max_model_len = min(longest + decoder.extra_capacity,
                         decoder.config.max_position_embeddings)
@@ -262,7 +262,7 @@ def decode_slots(core, chunks, plan, seed, max_new_tokens, top_p, progress):
     prompt's index in the source and j): the engine keeps one RNG key per row, so a
     response is the same whatever the slot count, the pool size (a preempted response is
     recomputed from the same key) or the responses decoded beside it."""
-    from dspine_serve.engine_core import SamplingOptions  # the serving engine's slots
+    from dspine_jax.runtime.engine_core import SamplingOptions  # the serving engine's slots
 
     chunks = iter(chunks)
     queued = collections.deque()     # [chunk, responses, requests left], oldest first

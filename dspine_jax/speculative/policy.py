@@ -148,10 +148,11 @@ class AcceptanceStats:
 
 class CostTable:
     """Seconds per pass by (batch rows, verify width): the median of the latest `window`
-    calls, trusted once `min_samples` are in, so one slow call (a program's first run on
-    the device, a host stall, another process compiling) moves nothing. A width not yet
-    measured at a batch is interpolated linearly in verified tokens (width + 1) between the
-    measured widths around it, or held at the nearest measured one beyond them."""
+    calls. The policy trusts a width's cost for its choice of what to measure once
+    `min_samples` calls are in (`trusted`), so one slow call (a program's first run on the
+    device, a host stall, another process compiling) cannot settle it. A width not yet run
+    at a batch is interpolated linearly in verified tokens (width + 1) between the widths
+    run around it, or held at the nearest one beyond them."""
 
     def __init__(self, window: int = 5, min_samples: int = 3):
         self.window, self.min_samples = window, min_samples
@@ -171,8 +172,12 @@ class CostTable:
 
     @property
     def seconds(self) -> dict[tuple[int, int], float]:
-        return {k: statistics.median(v) for k, v in self.samples.items()
-                if len(v) >= self.min_samples}
+        return {k: statistics.median(v) for k, v in self.samples.items() if v}
+
+    def trusted(self, rows: int) -> set[int]:
+        """The widths at `rows` with at least `min_samples` calls."""
+        return {w for (r, w), v in self.samples.items()
+                if r == rows and len(v) >= self.min_samples}
 
     def measured(self, rows: int) -> dict[int, float]:
         return {w: s for (r, w), s in self.seconds.items() if r == rows}
@@ -197,8 +202,10 @@ class CostTable:
     def surprised(self, rows: int, width: int, seconds_per_pass: float,
                   margin: float = 0.25) -> bool:
         """Whether a new sample is more than `margin` off the trusted median."""
-        known = self.seconds.get((rows, width))
-        return known is not None and abs(seconds_per_pass - known) > margin * known
+        if width not in self.trusted(rows):
+            return False
+        known = self.seconds[(rows, width)]
+        return abs(seconds_per_pass - known) > margin * known
 
 
 class SpeculationPolicy:
@@ -263,10 +270,12 @@ class SpeculationPolicy:
         call = self.calls.get(rows, 0)
         self.calls[rows] = call + 1
         lo, hi = widths[0], widths[-1]
-        known = self.costs.measured(rows)
-        # measure both ends first: the widest (fixed speculation), then a plain step
+        trusted = self.costs.trusted(rows)
+        # measure both ends first, a few calls each: the widest (fixed speculation), then
+        # a plain step; a middle width is then tried once where its interpolated cost
+        # makes it look best, and kept only if its measured cost does
         for end in (hi, lo):
-            if end not in known:
+            if end not in trusted:
                 return self._ran(rows, end, call)
         scores = {w: s for w, s in self.scores(rows, active or [self.pool]).items()
                   if w in widths}

@@ -26,8 +26,8 @@ from dspine_jax.api import Pipeline, Prompt, Result, as_prompts
 from dspine_jax.decoding import BatchDecoder
 from dspine_jax.errors import InputError
 from dspine_jax.sampling import batch_sampling_mode, validate_sampling
-from dspine_serve import slot_steps
-from dspine_serve.engine_core import DEFAULT_PREFILL_CHUNK, EngineCore, SamplingOptions
+from dspine_jax.runtime import slot_steps
+from dspine_jax.runtime.engine_core import DEFAULT_PREFILL_CHUNK, EngineCore, SamplingOptions
 
 
 @dataclasses.dataclass

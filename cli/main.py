@@ -102,7 +102,7 @@ def generate(
                         top_k=top_k, seed=seed, ignore_eos=ignore_eos)
         if as_json or len(prompts) > 1 or engine == "slots":
             if engine == "slots":
-                from dspine_serve.offline import generate as generate_in_slots
+                from dspine_jax.runtime.offline import generate as generate_in_slots
 
                 results = generate_in_slots(pipe, prompts, slots=batch_size, **sampling)
             else:

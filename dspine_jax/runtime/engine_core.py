@@ -59,8 +59,8 @@ from dspine_jax.decoding import BatchDecoder
 from dspine_jax.errors import InputError
 from dspine_jax.kv_cache import pages_needed
 from dspine_jax.sampling import SAMPLING_MODES, batch_sampling_mode, validate_sampling
-from dspine_serve import slot_steps
-from dspine_serve.slots import SlotPages
+from dspine_jax.runtime import slot_steps
+from dspine_jax.runtime.slots import SlotPages
 
 DEFAULT_PREFILL_CHUNK = 512
 
@@ -220,6 +220,9 @@ class EngineCore:
         self._widths = ((self._policy.widths[0], self._policy.widths[-1]) if self._policy
                         else (default,))
         self._timing = None          # (decode width, rows, start, compiles) of this step
+        # off during warm-up: its calls are each program's first run on the device (one-
+        # time setup included) over a dummy prompt, neither a cost nor an acceptance
+        self._learning = True
         self._decode_width = None    # the verify width of this step's decode call
 
     @property
@@ -308,7 +311,7 @@ class EngineCore:
         self._timing = None
         prefilled = self._prefill()
         if decoding:         # rows that just started hold their first token already
-            self._decode(timed=not prefilled)
+            self._decode(timed=self._learning and not prefilled)
         if self._news:       # each running row was in one of the calls
             outputs += self._collect()
         return outputs
@@ -532,7 +535,7 @@ class EngineCore:
     def _observe_acceptance(self, r: _Request, accepted: list[int], finished: bool) -> None:
         """Each pass's accepted drafts into the request's and the pool's statistics (a
         finished request's last pass may be cut by EOS or its budget: not counted)."""
-        if self._policy is None or not accepted:
+        if self._policy is None or not accepted or not self._learning:
             return
         width = self._decode_width
         for length in accepted[:-1] if finished else accepted:
@@ -567,8 +570,12 @@ class EngineCore:
         n = max(1, min(8, self.max_model_len - self.decoder.extra_capacity - 2))
         self.add_request("__warmup", [0] * n, SamplingOptions(
             max_tokens=2, temperature=0.0, seed=0, ignore_eos=True))
-        while self.has_work():
-            self.step()
+        self._learning = False
+        try:
+            while self.has_work():
+                self.step()
+        finally:
+            self._learning = True
         return time.perf_counter() - t0
 
     def _args(self, matrix: np.ndarray) -> tuple:
