@@ -169,7 +169,8 @@ def bench_jax(args) -> list[dict]:
         floor = step_bytes(config, b, context + calls * steps,
                            np.dtype(dtype).itemsize) / bandwidth
         results.append(dict(impl="jax", attention_backend=gen.attention.name, context=context,
-                            capacity=args.prompt_len + new_tokens, steps_per_call=steps, batch=b, step_ms=step * 1e3,
+                            capacity=args.prompt_len + new_tokens, steps_per_call=steps,
+                            batch=b, step_ms=step * 1e3,
                             floor_ms=floor * 1e3, tokens_per_s=b / step,
                             bandwidth_GBps=bandwidth / 1e9, device=str(jax.devices()[0])))
         print(json.dumps(results[-1]), flush=True)

@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import statistics
 import sys
@@ -216,8 +215,8 @@ def main():
                     for impl in ("torch", "triton")}
                 record(name, batch, "acceptance", variant, timed(both["torch"]),
                        timed(both["triton"]))
-            del logits
-        del lm_head
+            logits = None        # frees the device memory before the next shape
+        lm_head = None
 
     if not args.skip_loop:
         loop_batches = [int(b) for b in args.loop_batches.split(",")]

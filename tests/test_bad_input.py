@@ -113,7 +113,8 @@ def test_corrupt_gguf(tmp_path):
 def test_prompt_past_the_context(qwen_dir):
     model = load_target(qwen_dir, with_tokenizer=False).model  # context 256
     gen = AutoregressiveGenerator(model)
-    with pytest.raises(InputError, match="prompt 0 has 250 tokens.*past the model's context of 256"):
+    with pytest.raises(InputError,
+                       match="prompt 0 has 250 tokens.*past the model's context of 256"):
         gen.generate([[1] * 250], max_new_tokens=10)
     with pytest.raises(InputError, match="outside the vocabulary"):
         gen.generate([[1, 500]], max_new_tokens=2)

@@ -143,7 +143,8 @@ def test_emit_cuts_at_eos_and_budget():
     b = 3
     state = DecodeState(caches=(), last_token=jnp.zeros(b, jnp.int32),
                         output=jnp.zeros((b, 8), jnp.int32),
-                        num_generated=jnp.asarray([1, 1, 5]), done=jnp.asarray([False, False, True]),
+                        num_generated=jnp.asarray([1, 1, 5]),
+                        done=jnp.asarray([False, False, True]),
                         budget=jnp.asarray([8, 3, 8]), pass_lengths=jnp.zeros((b, 8), jnp.int32),
                         num_passes=jnp.zeros(b, jnp.int32), rng=jax.random.key(0))
     tokens = jnp.asarray([[5, 9, 6, 7], [5, 6, 7, 8], [5, 6, 7, 8]])

@@ -167,7 +167,7 @@ def test_draft_block_backends_agree_with_training_forward(target, kind):
                                    atol=2e-4, err_msg=name)
 
 
-# ----- speculative decoding on the kernel ----------------------------------------------------------
+# ----- speculative decoding on the kernel -------------------------------------------------
 K = 5
 PROMPTS = [np.random.default_rng(i).integers(2, 61, size=n).tolist()
            for i, n in enumerate([3, 17, 9, 1])]

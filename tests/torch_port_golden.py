@@ -15,7 +15,6 @@ computation and fails if the JAX side drifts.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from pathlib import Path
 

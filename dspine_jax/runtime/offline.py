@@ -1,11 +1,12 @@
 """Offline generation with continuous batching: the serving engine's core, no HTTP.
 
 `generate(pipe, prompts, slots=B)` (a `Pipeline.generate` with continuous batching) and
-`dspine generate --engine slots` decode a list of prompts through B slots: a response that ends frees its slot for the
-next prompt at once, where static batches (`Pipeline.generate`) run until their longest
-row is done. With a drafter that matters even when every row decodes the same number of
-tokens: each row advances by its own accepted length per pass, so a static batch of 8
-runs as many passes as its slowest row, and the slots keep every row busy instead.
+`dspine generate --engine slots` decode a list of prompts through B slots: a response
+that ends frees its slot for the next prompt at once, where static batches
+(`Pipeline.generate`) run until their longest row is done. With a drafter that matters
+even when every row decodes the same number of tokens: each row advances by its own
+accepted length per pass, so a static batch of 8 runs as many passes as its slowest row,
+and the slots keep every row busy instead.
 
 Every call shape is compiled before the clock starts (`EngineCore.warmup`, only the
 sampling mode the settings need), so `seconds` is decoding alone, as for the batch

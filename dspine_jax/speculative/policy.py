@@ -26,9 +26,10 @@ each, to measure both ends; then the policy re-runs the end it has not run latel
 that loss under `probe_budget` (but at least every `probe_max` calls), so the acceptance
 of deep slots and the cost of the other end stay current. A call whose time contradicts
 its width's cost is repeated at once, so a cost measured wrong (a first run, another
-process compiling) is replaced within a few calls instead of steering the choice. The costs and the pooled acceptance are saved in a small JSON file
-per device, target and drafter (`save`/`load`), so a new process starts where the last
-one stopped instead of measuring again.
+process compiling) is replaced within a few calls instead of steering the choice. The
+costs and the pooled acceptance are saved in a small JSON file per device, target and
+drafter (`save`/`load`), so a new process starts where the last one stopped instead of
+measuring again.
 
 Seeds: a sampled (T > 0) output follows the target's distribution under every width, but
 which sample a seed gives depends on the widths run, and the adaptive widths depend on
