@@ -287,8 +287,16 @@ def test_serving_warmup_teaches_the_policy_nothing():
     core = EngineCore(engine, max_slots=2, max_model_len=64)
     core.warmup(modes=("greedy",))
     assert engine.policy.costs.samples == {} and engine.policy.pool.alpha() == prior
+    assert core.stats().speculation_costs == {}
     serve_all(core, PROMPTS[:2], max_tokens=12)
     assert engine.policy.costs.samples and engine.policy.pool.alpha() != prior
+    # /health's view of the policy: ms per pass of what was measured, the pooled rates
+    stats = core.stats().to_json()
+    want = {}
+    for (rows, width), seconds in engine.policy.costs.seconds.items():
+        want.setdefault(str(rows), {})[str(width)] = round(seconds * 1e3, 3)
+    assert stats["speculation_costs"] == want and want
+    assert len(stats["acceptance"]) == 7
 
 
 def test_a_seeded_sample_is_served_at_one_width():

@@ -115,6 +115,10 @@ class EngineStats:
     speculation: str | None = None    # adaptive, fixed or off; None for AR
     verify_widths: tuple[int, ...] = ()   # the widths decode calls may verify
     switches: dict = dataclasses.field(default_factory=dict)  # the decoder's (pallas_kernels)
+    # adaptive speculation's view: ms per pass by call rows and width (the median of the
+    # latest calls), and the per-slot acceptance pooled over every request
+    speculation_costs: dict = dataclasses.field(default_factory=dict)
+    acceptance: tuple[float, ...] = ()
 
     @property
     def free_slots(self) -> int:
@@ -300,7 +304,17 @@ class EngineCore:
                            speculation=getattr(self.decoder, "speculation", None) and
                            self.decoder.speculation.mode,
                            verify_widths=tuple(w for w in self._widths if w is not None),
-                           switches=self.decoder.switches.to_json())
+                           switches=self.decoder.switches.to_json(),
+                           **self._policy_view())
+
+    def _policy_view(self) -> dict:
+        if self._policy is None:
+            return {}
+        costs: dict[str, dict[str, float]] = {}
+        for (rows, width), seconds in sorted(self._policy.costs.seconds.items()):
+            costs.setdefault(str(rows), {})[str(width)] = round(seconds * 1e3, 3)
+        return {"speculation_costs": costs,
+                "acceptance": tuple(round(a, 3) for a in self._policy.pool.alpha())}
 
     def step(self) -> list[RequestOutput]:
         outputs = [self._output(r, [], [], "abort") for r in self._aborted]
