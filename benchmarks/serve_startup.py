@@ -27,7 +27,7 @@ def start(serve_args: list[str], cache: str, port: int, timeout: float) -> dict:
     import httpx
 
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "dspine_jax", "serve", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "dspine_cli", "serve", "--port", str(port),
                              "--compile-cache-dir", cache, *serve_args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     first = None

@@ -111,7 +111,7 @@ def run_mesh(mesh: tuple[int, int], args, out: Path) -> dict:
     wall_file = out.parent / f"{out.name}.wall_s"
     summary_file = out / "summary.json"
     if not (summary_file.is_file() and json.loads(summary_file.read_text())["finished"]):
-        cmd = [sys.executable, "-m", "dspine_jax", "train", "--config", str(args.config),
+        cmd = [sys.executable, "-m", "dspine_cli", "train", "--config", str(args.config),
                "--set", f"mesh.data={data}", "--set", f"mesh.fsdp={fsdp}",
                "--set", f"run.out={out}", "--set", f"run.steps={args.steps}",
                "--set", f"run.log_every={args.log_every}",

@@ -108,7 +108,9 @@ def generate(
             else:
                 results = pipe.generate(prompts, batch_size=batch_size, **sampling)
             for result in results:
-                print(json.dumps(result.to_json(pipe.method)) if as_json else result.text)
+                print(json.dumps({**result.to_json(pipe.method),
+                                  "runtime": pipe.runtime.to_json()})
+                      if as_json else result.text)
             cut = [i for i, r in enumerate(results, 1) if r.finish_reason == "length"]
             if cut and not as_json:  # JSON carries finish_reason itself
                 typer.echo(f"[{len(cut)} of {len(results)} prompts stopped at "

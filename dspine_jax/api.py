@@ -20,6 +20,7 @@ from dspine_jax.drafters import (DEFAULT_PROPOSAL, DEFAULT_PROPOSAL_KERNEL, PROP
                                  PROPOSALS)
 from dspine_jax.errors import CheckpointError, ConfigError, InputError
 from dspine_jax.registry import BUILTIN_DRAFTERS, DEFAULT_TARGET, resolve_drafter
+from dspine_jax.runtime.config import RuntimeConfig
 from dspine_jax.sampling import validate_sampling
 from dspine_jax.speculative.policy import SpeculationConfig
 
@@ -178,6 +179,7 @@ def as_prompts(prompts: Sequence[Prompt | str], chat: bool | None = None) -> lis
 class Pipeline:
     def __init__(self, target: LoadedTarget, decoder: BatchDecoder, method: str):
         self.target, self.decoder, self.method = target, decoder, method
+        self.runtime = RuntimeConfig.of(decoder)      # what runs, for --json and /health
         self.tokenizer = target.tokenizer
 
     @classmethod

@@ -430,6 +430,10 @@ def test_64_concurrent_streaming_clients_match_offline(pipe, offline, served):
     stats = wait_idle(served.url)
     assert stats["free_slots"] == SLOTS and stats["used_tokens"] == 0
     assert stats["free_pages"] == stats["num_pages"] == SLOTS * CONTEXT // 16
+    # what runs: the pipeline's decoder, as built (fixed speculation, the CPU's backend)
+    assert stats["runtime"] == pipe.runtime.to_json()
+    assert (stats["runtime"]["method"], stats["runtime"]["attention_backend"],
+            stats["runtime"]["speculation"]["speculation"]) == ("dspine", "xla", "fixed")
     metrics = httpx.get(served.url + "/metrics").text
     assert "dspine_accept_length_count" in metrics
     assert "dspine_time_to_first_token_seconds_count" in metrics
@@ -744,7 +748,7 @@ def test_health_says_starting_while_the_engine_compiles(pipe, monkeypatch):
 # ----- the command, as a process -------------------------------------------------------------
 def start_server(target: Path, port: int, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "dspine_jax", "serve", "--target", str(target), "--port",
+        [sys.executable, "-m", "dspine_cli", "serve", "--target", str(target), "--port",
          str(port), "--max-slots", "2", "--max-model-len", "64", "--grace-seconds", "5",
          *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -172,6 +172,12 @@ def test_training_learns_and_exports(workspace, tmp_path):
     ar = run_cli("generate", "--target", str(workspace / "model"), "-p", "the quick", "-n",
                  "6", "--json", "--ignore-eos")
     assert json.loads(gen.stdout)["tokens"] == json.loads(ar.stdout)["tokens"]
+    # --json says what ran: the exported DSpine under adaptive speculation, and plain AR
+    spec, plain = json.loads(gen.stdout)["runtime"], json.loads(ar.stdout)["runtime"]
+    assert (spec["method"], spec["proposal"], spec["speculation"]["speculation"]) == (
+        "dspine", "sparse", "adaptive")
+    assert spec["speculation"]["widths"][0] == 0 and spec["switches"] == plain["switches"]
+    assert (plain["method"], plain["proposal"], plain["speculation"]) == ("ar", None, None)
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dspine"])
@@ -394,7 +400,7 @@ def test_two_processes_train_like_one_device(workspace, tmp_path):
 
     port = free_port()
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "dspine_jax", "train", "--distributed",
+        [sys.executable, "-m", "dspine_cli", "train", "--distributed",
          "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),
          "--config", str(tmp_path / "multi.toml"), "--set", "mesh.fsdp=2"],
         env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -423,7 +429,7 @@ def launch_pod(config: Path, cache: Path, *overrides: str, processes=4, devices_
     port = free_port()
     sets = [arg for kv in overrides for arg in ("--set", kv)]
     return [subprocess.Popen(
-        [sys.executable, "-m", "dspine_jax", "train", "--distributed", "--coordinator",
+        [sys.executable, "-m", "dspine_cli", "train", "--distributed", "--coordinator",
          f"127.0.0.1:{port}", "--num-processes", str(processes), "--process-id", str(i),
          "--config", str(config), *sets],
         env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -60,6 +60,7 @@ from dspine_jax.errors import InputError
 from dspine_jax.kv_cache import pages_needed
 from dspine_jax.sampling import SAMPLING_MODES, batch_sampling_mode, validate_sampling
 from dspine_jax.runtime import slot_steps
+from dspine_jax.runtime.config import RuntimeConfig
 from dspine_jax.runtime.slots import SlotPages
 
 DEFAULT_PREFILL_CHUNK = 512
@@ -114,7 +115,7 @@ class EngineStats:
     preemptions: int        # requests preempted since the start (recomputed later)
     speculation: str | None = None    # adaptive, fixed or off; None for AR
     verify_widths: tuple[int, ...] = ()   # the widths decode calls may verify
-    switches: dict = dataclasses.field(default_factory=dict)  # the decoder's (pallas_kernels)
+    runtime: dict = dataclasses.field(default_factory=dict)   # RuntimeConfig.to_json()
     # adaptive speculation's view: ms per pass by call rows and width (the median of the
     # latest calls), and the per-slot acceptance pooled over every request
     speculation_costs: dict = dataclasses.field(default_factory=dict)
@@ -220,6 +221,7 @@ class EngineCore:
         # verify widths: the decoder's one width, or under adaptive speculation the two
         # ends of its set (each width is a program per row bucket and sampling mode)
         self._policy = decoder.speculation_policy()
+        self._runtime = RuntimeConfig.of(decoder).to_json()
         default = decoder.default_width()
         self._widths = ((self._policy.widths[0], self._policy.widths[-1]) if self._policy
                         else (default,))
@@ -304,8 +306,7 @@ class EngineCore:
                            speculation=getattr(self.decoder, "speculation", None) and
                            self.decoder.speculation.mode,
                            verify_widths=tuple(w for w in self._widths if w is not None),
-                           switches=self.decoder.switches.to_json(),
-                           **self._policy_view())
+                           runtime=self._runtime, **self._policy_view())
 
     def _policy_view(self) -> dict:
         if self._policy is None:
