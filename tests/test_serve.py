@@ -846,3 +846,28 @@ def test_serve_startup_benchmark(tiny_llama_dir, tmp_path):
         run = report[start]
         assert run["completion_status"] == 200 and run["log"][-1].startswith("ready")
         assert run["first_answer"]["seconds"] <= run["ready_seconds"]
+
+
+def test_serving_compare_benchmark(tiny_llama_dir, tmp_path):
+    """benchmarks/serving_compare.py: each server in turn, swept twice per level, every
+    request served, its /health kept, and the summary's medians over the runs."""
+    from dspine_benchmarks import serving_compare
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"the quick brown fox {i}", "chat": False})
+                               + "\n" for i in range(4)))
+    out = tmp_path / "cmp"
+    serving_compare.main([
+        "--server", "ar=--method ar", "--server", "ar-again=--method ar --max-slots 1",
+        "--sweep", "1:2", "--sweep", "2:4", "--repeats", "2", "--max-tokens", "4",
+        "--prompts", str(prompts), "--out", str(out), "--",
+        "--target", str(tiny_llama_dir), "--max-model-len", "64", "--compile-cache-dir",
+        "none"])
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary) == ["ar", "ar-again"]
+    for name in summary:
+        assert {c: s["runs"] for c, s in summary[name].items()} == {"1": 2, "2": 2}
+        assert all(s["failed"] == 0 for s in summary[name].values())
+        assert summary[name]["2"]["completed"] == 8
+    assert json.loads((out / "ar-again" / "health.json").read_text())["max_slots"] == 1
+    assert summary["ar"]["1"]["x_first"] == 1.0
