@@ -82,7 +82,7 @@ def time_engine(pipe, groups, batch, drafter, kw, repeats: int = 1):
         accepts += [list(g.accept_lengths) if drafter else [1] * len(g.tokens)
                     for g in res.generations]
         for g in res.generations:
-            for w, n in getattr(g, "verify_widths", {}).items():
+            for w, n in g.verify_widths.items():
                 widths[w] = widths.get(w, 0) + n
         # decode passes per row (the prefill emits the first token), and a batch decodes
         # until its row with the most passes is done

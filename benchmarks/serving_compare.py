@@ -22,13 +22,13 @@ import argparse
 import json
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from dspine_benchmarks import serving_summary
+from dspine_benchmarks.train_scaling import free_port
 
 
 def parse(argv=None):
@@ -63,12 +63,6 @@ def parse(argv=None):
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
     return args, servers, sweeps
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_ready(proc, url: str, timeout: float) -> float:

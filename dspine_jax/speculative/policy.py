@@ -181,7 +181,9 @@ class CostTable:
                 if r == rows and len(v) >= self.min_samples}
 
     def measured(self, rows: int) -> dict[int, float]:
-        return {w: s for (r, w), s in self.seconds.items() if r == rows}
+        """The medians at `rows` (asked for every width of every call: only that batch's)."""
+        return {w: statistics.median(v) for (r, w), v in self.samples.items()
+                if r == rows and v}
 
     def estimate(self, rows: int, width: int) -> float | None:
         known = self.measured(rows)
@@ -203,9 +205,10 @@ class CostTable:
     def surprised(self, rows: int, width: int, seconds_per_pass: float,
                   margin: float = 0.25) -> bool:
         """Whether a new sample is more than `margin` off the trusted median."""
-        if width not in self.trusted(rows):
+        samples = self.samples.get((rows, width), ())
+        if len(samples) < self.min_samples:
             return False
-        known = self.seconds[(rows, width)]
+        known = statistics.median(samples)
         return abs(seconds_per_pass - known) > margin * known
 
 
