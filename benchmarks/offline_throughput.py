@@ -14,10 +14,11 @@ For each method, temperature and row count B, the same prompts decode with
           serving engine's core, a finished row's slot taking the next prompt at once.
 Every row decodes exactly --max-new-tokens (EOS ignored), so every method emits the same
 tokens. Each (method, engine, T, B) compiles every shape it needs first, then decodes
-all prompts once untimed (which also pays XLA's one-time setup of each shape) and, with
-static batches, --repeats timed runs (the median; `seconds_runs` lists each), with slots
-one timed run; tokens/s = all new tokens / decode seconds, compilation excluded. x_ar is
-tokens/s over AR's with the same engine, T and B; x_ar_best over AR's better engine.
+all prompts once untimed (which also pays XLA's one-time setup of each shape), then
+--repeats timed runs (the median; `seconds_runs` lists each); tokens/s = all new tokens /
+decode seconds, compilation excluded. x_ar is tokens/s over AR's with the same engine,
+passes per call, T and B; x_ar_best over AR's best engine. --slot-steps-per-call runs the
+slots at each of several call lengths.
 row_passes: the target passes of every row, summed (tokens per row pass: tau).
 `batch` rows also give batch_passes (each batch decodes until its row with the most
 passes is done, summed over batches), row_pass_share = row_passes / (batch_passes x B)
@@ -64,6 +65,9 @@ def parse(argv=None):
                     help="drafters' verify widths, each mode a row of its own")
     ap.add_argument("--repeats", type=int, default=5,
                     help="timed runs of each static-batch cell after an untimed one (median)")
+    ap.add_argument("--slot-steps-per-call", type=int, nargs="+", default=None,
+                    help="target passes per decode call of the slots (several: a row each; "
+                         "default: the serving engine's)")
     ap.add_argument("--skip-ar", action="store_true")
     ap.add_argument("--compile-workers", type=int, default=8)
     ap.add_argument("--out", default=None, help="JSON, rewritten after every row")
@@ -90,13 +94,17 @@ def run_batch(pipe, prompts, rows, kw, workers, drafter, repeats) -> dict:
             **fields, "ms_per_pass": round(1e3 * seconds / fields["batch_passes"], 3)}, tokens
 
 
-def run_slots(pipe, prompts, rows, kw) -> dict:
-    """`rows` slots of the serving engine's core, the second of two runs."""
+def run_slots(pipe, prompts, rows, kw, repeats) -> dict:
+    """`rows` slots of the serving engine's core: the median of `repeats` timed runs after
+    an untimed one (which compiles every call shape)."""
     from dspine_jax.runtime.offline import generate_slots
 
     compiled = generate_slots(pipe.decoder, prompts, max_slots=rows, **kw).compile_seconds
-    run = generate_slots(pipe.decoder, prompts, max_slots=rows, **kw)
+    runs = [generate_slots(pipe.decoder, prompts, max_slots=rows, **kw)
+            for _ in range(repeats)]
+    run = sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]
     return {"tokens": sum(len(g.tokens) for g in run.generations), "seconds": run.seconds,
+            "seconds_runs": [round(r.seconds, 4) for r in runs],
             "row_passes": sum(len(g.accept_lengths) for g in run.generations),
             "steps": run.steps,
             "preemptions": run.preemptions, "compile_seconds": round(compiled, 1)}, [
@@ -127,22 +135,26 @@ def main(argv=None):
     greedy_ar = {}      # rows -> AR's T = 0 tokens from its first engine (the reference)
     for method, drafter, mode in methods:
         # static batches with the offline call length, slots with the serving engine's
-        pipes = {engine: Pipeline.from_loaded(
+        # (or each --slot-steps-per-call)
+        variants = [(e, n) for e in args.engine
+                    for n in ((args.slot_steps_per_call or [None]) if e == "slots" else [None])]
+        pipes = {(engine, n): Pipeline.from_loaded(
             loaded, drafter, method=None if drafter else "ar", serving=engine == "slots",
-            attention_backend=args.attention_backend,
+            steps_per_call=n, attention_backend=args.attention_backend,
             **({"proposal_kernel": args.proposal_kernel,
                 "speculation": SpeculationConfig(mode)} if drafter else {}))
-            for engine in args.engine}
-        prompts = [pipes[args.engine[0]].encode(p) for p in texts]
+            for engine, n in variants}
+        prompts = [pipes[variants[0]].encode(p) for p in texts]
         for t in args.temperature:
             kw = dict(max_new_tokens=args.max_new_tokens, temperature=t, ignore_eos=True)
             for b in args.rows:
-                for engine in args.engine:
-                    pipe = pipes[engine]
+                for engine, n in variants:
+                    pipe = pipes[(engine, n)]
                     got, tokens = (
                         run_batch(pipe, prompts, b, kw, args.compile_workers, drafter,
                                   args.repeats)
-                        if engine == "batch" else run_slots(pipe, prompts, b, kw))
+                        if engine == "batch" else run_slots(pipe, prompts, b, kw,
+                                                            args.repeats))
                     got["steps_per_call"] = pipe.decoder.steps_per_call
                     if t == 0 and method == "ar" and b not in greedy_ar:
                         greedy_ar[b] = tokens
@@ -168,11 +180,11 @@ def main(argv=None):
 def add_ratios(rows) -> None:
     """x_ar: tokens/s over AR's at the same engine, T and rows; x_ar_best: over AR's best
     engine there."""
-    ar = {(r["engine"], r["temperature"], r["rows"]): r["tokens_per_s"]
-          for r in rows if r["method"] == "ar"}
+    ar = {(r["engine"], r.get("steps_per_call"), r["temperature"], r["rows"]):
+          r["tokens_per_s"] for r in rows if r["method"] == "ar"}
     for r in rows:
-        same = ar.get((r["engine"], r["temperature"], r["rows"]))
-        best = max((v for (e, t, b), v in ar.items()
+        same = ar.get((r["engine"], r.get("steps_per_call"), r["temperature"], r["rows"]))
+        best = max((v for (e, n, t, b), v in ar.items()
                     if (t, b) == (r["temperature"], r["rows"])), default=None)
         if same:
             r["x_ar"] = round(r["tokens_per_s"] / same, 3)
@@ -181,12 +193,13 @@ def add_ratios(rows) -> None:
 
 
 def table(rows) -> str:
-    head = ("| method | T | rows | engine | tok/s | x AR | x best AR | tau | row pass share "
-            "| ms per pass | same as AR |")
-    lines = [head, "|" + "---|" * 11]
+    head = ("| method | T | rows | engine | passes per call | tok/s | x AR | x best AR | tau "
+            "| row pass share | ms per pass | same as AR |")
+    lines = [head, "|" + "---|" * 12]
     for r in rows:
         method = r["method"] + (f" ({r['speculation']})" if r.get("speculation") else "")
         lines.append(f"| {method} | {r['temperature']:g} | {r['rows']} | {r['engine']} | "
+                     f"{r.get('steps_per_call', '')} | "
                      f"{r['tokens_per_s']:,.0f} | {r.get('x_ar', '')} | "
                      f"{r.get('x_ar_best', '')} | {r['tau']} | {r.get('row_pass_share', 1)} | "
                      f"{r.get('ms_per_pass', '')} | {r.get('same_as_ar', '')} |")

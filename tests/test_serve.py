@@ -112,6 +112,42 @@ def test_engine_core_equals_offline_generate(pipe, offline):
     assert stats.free_pages == stats.num_pages and stats.preemptions == 0
 
 
+def test_engine_core_reads_a_step_while_the_next_is_queued(pipe, offline, monkeypatch):
+    """The host reads a step's news only once the next step's calls are on the device's
+    queue (the device never waits for the host while requests decode), the run still
+    equals offline generation, and a finished row's extra call leaves its pages free."""
+    from dspine_jax.runtime import engine_core
+
+    core = EngineCore(pipe.decoder, max_slots=2, max_model_len=CONTEXT)
+    queued, reads = [], []
+    real_queue = core._queue_step
+
+    def queue_step():
+        made = real_queue()
+        queued.append(made)
+        return made
+
+    real_get = engine_core.jax.device_get
+
+    def device_get(x):
+        reads.append(sum(queued))          # steps queued when this read began
+        return real_get(x)
+
+    monkeypatch.setattr(core, "_queue_step", queue_step)
+    monkeypatch.setattr(engine_core.jax, "device_get", device_get)
+    core.add_request("a", pipe.encode(PLAIN[0]), SamplingOptions(max_tokens=24))
+    core.add_request("b", pipe.encode(PLAIN[1]), SamplingOptions(max_tokens=24))
+    got = drain(core)
+    monkeypatch.undo()
+    assert got["a"][0] == offline[("plain", 0)].tokens
+    assert got["b"][0] == offline[("plain", 1)].tokens
+    # the i-th read (step i) starts with step i + 1 queued, but for the last one or two
+    # (when nothing was left to queue)
+    ahead = [n - i for i, n in enumerate(reads, start=1)]
+    assert len(reads) >= 4 and all(a >= 1 for a in ahead[:-2]), ahead
+    assert core.stats().free_pages == core.num_pages and not core.has_work()
+
+
 def test_engine_core_abort_stop_tokens_and_checks(pipe, offline):
     core = EngineCore(pipe.decoder, max_slots=SLOTS, max_model_len=CONTEXT)
     ids = pipe.encode(PLAIN[0])
@@ -122,7 +158,11 @@ def test_engine_core_abort_stop_tokens_and_checks(pipe, offline):
     for i in range(SLOTS - 1):   # fill the other slots: the next request waits
         core.add_request(f"long{i}", ids, SamplingOptions(max_tokens=200, ignore_eos=True))
     core.add_request("queued", ids, SamplingOptions(max_tokens=4))
+    # a step's tokens come back on the next step (the device runs ahead of the host)
     first = gather(core.step(), {})
+    assert first == {}
+    first = gather(core.step(), first)
+    assert all(len(first[f"long{i}"][0]) == 1 for i in range(SLOTS - 1))
     assert core.stats().running == SLOTS and core.stats().waiting == 1
     assert core.abort("queued") and not core.abort("unknown")
     assert all(core.abort(f"long{i}") for i in range(SLOTS - 1))
@@ -226,7 +266,9 @@ def test_chunked_prefill_equals_offline_and_interleaves_with_decoding(pipe, ar):
     assert 96 < len(long_ids) <= 112
     core.add_request("short", pipe.encode(PLAIN[0]), SamplingOptions(max_tokens=120,
                                                                      ignore_eos=True))
-    got = gather(core.step(), {})                     # short: prefilled, first token out
+    got = gather(core.step(), {})                     # short: prefill queued
+    got = gather(core.step(), got)                    # its first token read
+    assert len(got["short"][0]) == 1
     core.add_request("long", long_ids, SamplingOptions(max_tokens=24))
     steps_before_first_token = 0
     while "long" not in got:
@@ -234,7 +276,7 @@ def test_chunked_prefill_equals_offline_and_interleaves_with_decoding(pipe, ar):
         gather(core.step(), got)
         steps_before_first_token += 1
         assert len(got["short"][0]) > before          # decoding went on meanwhile
-    assert steps_before_first_token == 7
+    assert steps_before_first_token == 8      # 7 chunks; the 7th's news read one step later
     got = drain(core, got)
     offline = pipe.generate([LONG], max_new_tokens=24)[0]
     assert got["long"][0] == offline.tokens

@@ -8,10 +8,16 @@ thread. This module never imports the HTTP layer; device arrays never leave it.
 The slots are the S rows of one batched decoder state, compiled once (no vmap): the
 target's KV cache and the drafter's context are one `PagedKVCache` each, over one shared
 pool of `num_pages` pages; each slot owns a row of the page table (`slots.SlotPages`).
+Every step plans and queues the next calls, then reads the step queued before them:
+the device runs one step while the host reads the last one, streams its tokens and plans
+the next (as vLLM's and SGLang's overlap schedulers do). So a step is planned one step
+behind what the device knows: a row that has just finished on the device runs one more
+call (a no-op for it; its news are dropped), and pages are held for every queued call.
 Every step:
   1. aborts take effect (the slot and its pages are free at once);
-  2. each decoding request holds exactly the pages the next decode call can write (its
-     cache length + `call_lookahead`, never past prompt + max_tokens + the verify block):
+  2. each decoding request holds exactly the pages its queued calls and the next decode
+     call can write (its cache length + `call_lookahead` per call, never past prompt +
+     max_tokens + the verify block):
      it grows, and pages past that (left by rejected drafts near the end) go back; when
      the pool is short, the newest request in a slot is preempted: its pages are freed
      and it goes back to the head of the queue, to be recomputed later from its prompt
@@ -29,8 +35,8 @@ Every step:
      AR step), as the decoder's `SpeculationPolicy` finds faster for the rows decoding,
      from the calls it timed and each request's acceptance; a call with a sampled row
      whose request gave a seed verifies the whole block, so that seed reproduces;
-  6. new tokens are read back (one small transfer: each call returns what its rows
-     gained); finished requests free their slots and pages.
+  6. the previous step's tokens are read back (one small transfer: each call returns
+     what its rows gained in it); finished requests free their slots and pages.
 
 Rows never mix: per-row sampling parameters, and one RNG key per row folded with the
 row's token count, so a seeded request gives the same text alone, under load, and after
@@ -147,9 +153,11 @@ class _Request:
     fill: list[int] = dataclasses.field(default_factory=list)    # tokens to prefill
     filled: int = 0          # of them in the cache
     decoding: bool = False   # prefill complete, the row runs in decode calls
-    read: int = 0            # the slot's output tokens already returned
-    passes_read: int = 0
+    read: int = 0            # tokens emitted before this admission (a resumed request's)
     acceptance: object = None   # its AcceptanceStats under adaptive speculation
+    queued: int = 0          # calls queued for it whose news are not read yet
+    cache_bound: int = 0     # positions its cache can hold once its queued calls have run
+    finished: bool = False   # ended or aborted: news still queued for it are dropped
 
     @property
     def max_positions(self) -> int:
@@ -160,6 +168,24 @@ class _Request:
         """Positions in the caches: the prefilled ones, or prompt + emitted minus the
         anchor (the last token, not yet written) once decoding."""
         return len(self.prompt) + len(self.tokens) - 1 if self.decoding else self.filled
+
+
+@dataclasses.dataclass
+class _Call:
+    """A queued call: its rows' requests (None: padding, or a row whose prompt this
+    prefill chunk does not complete), the news it returns, and its verify width."""
+    requests: list
+    news: jax.Array
+    decode: bool
+    width: int | None = None
+
+
+@dataclasses.dataclass
+class _Step:
+    calls: list[_Call]
+    queued_at: float        # when the host began queueing its calls
+    compiles: int           # programs compiled before then (a timed step must see no more)
+    timed: tuple | None     # (rows, width) of a step whose one call is a decode call
 
 
 class EngineCore:
@@ -214,7 +240,8 @@ class EngineCore:
                                                        slot=s) for s in range(max_slots + 1)])
         self._slot_rows = self._idle_rows.copy()
         self._table = (-1, None)     # (SlotPages.version, the page table on the device)
-        self._news: list[tuple[np.ndarray, jax.Array]] = []   # (slots, news) of the calls
+        self._queued: collections.deque[_Step] = collections.deque()  # steps not read yet
+        self._last_read = 0.0        # when the last step's news arrived
         self._news_width = slot_steps.news_width(decoder)
         self._state = slot_steps.empty_state(decoder, self._pages.table, num_pages,
                                              out_len=max_model_len)
@@ -225,11 +252,9 @@ class EngineCore:
         default = decoder.default_width()
         self._widths = ((self._policy.widths[0], self._policy.widths[-1]) if self._policy
                         else (default,))
-        self._timing = None          # (decode width, rows, start, compiles) of this step
         # off during warm-up: its calls are each program's first run on the device (one-
         # time setup included) over a dummy prompt, neither a cost nor an acceptance
         self._learning = True
-        self._decode_width = None    # the verify width of this step's decode call
 
     @property
     def num_pages(self) -> int:
@@ -277,13 +302,10 @@ class EngineCore:
     def abort(self, request_id: str) -> bool:
         """Stop a request; its slot and pages are free for the next step. The next `step`
         returns its last output (finish_reason abort). False if unknown or already done."""
-        request = self._by_id.pop(request_id, None)
+        request = self._by_id.get(request_id)
         if request is None:
             return False
-        if request.slot < 0:
-            self._waiting.remove(request)
-        else:
-            self._release(request)
+        self._finish(request)
         self._aborted.append(request)
         return True
 
@@ -293,7 +315,7 @@ class EngineCore:
         return len(self._waiting)
 
     def has_work(self) -> bool:
-        return bool(self._waiting or self._running or self._aborted)
+        return bool(self._waiting or self._running or self._aborted or self._queued)
 
     def stats(self) -> EngineStats:
         used = sum(r.cache_length() for r in self._running.values())
@@ -318,26 +340,25 @@ class EngineCore:
                 "acceptance": tuple(round(a, 3) for a in self._policy.pool.alpha())}
 
     def step(self) -> list[RequestOutput]:
+        """Queue this step's calls, then read the step queued before them (when nothing
+        was queued now: the last one), so that the device is never idle while the host
+        reads, streams and plans."""
         outputs = [self._output(r, [], [], "abort") for r in self._aborted]
         self._aborted = []
         self._grow()
         self._admit()
-        decoding = [s for s, r in self._running.items() if r.decoding]
-        self._timing = None
-        prefilled = self._prefill()
-        if decoding:         # rows that just started hold their first token already
-            self._decode(timed=self._learning and not prefilled)
-        if self._news:       # each running row was in one of the calls
-            outputs += self._collect()
+        queued = self._queue_step()
+        if len(self._queued) > 1 or (self._queued and not queued):
+            outputs += self._collect(self._queued.popleft())
         return outputs
 
     # ----- pages and slots -----------------------------------------------------------------
     def _decode_need(self, request: _Request) -> int:
-        """Positions a request needs before the next decode call."""
-        ahead = request.cache_length() + self.decoder.call_lookahead
-        if not request.decoding:
-            ahead = len(request.fill) + self.decoder.call_lookahead
-        return min(ahead, request.max_positions + self.decoder.extra_capacity)
+        """Positions a request needs before the next decode call: what its queued calls
+        can write and one call more."""
+        held = request.cache_bound if request.decoding else len(request.fill)
+        return min(held + self.decoder.call_lookahead,
+                   request.max_positions + self.decoder.extra_capacity)
 
     def _grow(self) -> None:
         """Every decoding request holds the pages of its next decode call; the newest
@@ -367,6 +388,8 @@ class EngineCore:
     def _admit(self) -> None:
         while self._waiting and self._pages.free_slots:
             request = self._waiting[0]
+            if request.queued:
+                break            # preempted with news still queued: they come first
             # a preempted request recomputes its prompt and all but its last token
             request.fill = request.prompt + request.tokens[:-1]
             need = self._decode_need(request)
@@ -376,7 +399,7 @@ class EngineCore:
             slot = self._pages.take(need)
             request.slot, request.order = slot, next(self._admissions)
             request.filled, request.decoding = 0, False
-            request.read, request.passes_read = len(request.tokens), 0
+            request.read, request.cache_bound = len(request.tokens), 0
             o = request.options
             self._slot_rows[slot] = slot_steps.pad_row(
                 slot_steps.DECODE_FIELDS, self.max_slots, slot=slot,
@@ -393,6 +416,16 @@ class EngineCore:
         self._slot_rows[slot] = self._idle_rows[slot]
         request.slot, request.decoding = -1, False
 
+    def _finish(self, request: _Request) -> None:
+        """The request is done (or aborted): its slot and pages are free, and news still
+        queued for it will be dropped."""
+        request.finished = True
+        self._by_id.pop(request.request_id, None)
+        if request.slot >= 0:
+            self._release(request)
+        elif request in self._waiting:
+            self._waiting.remove(request)
+
     # ----- device calls --------------------------------------------------------------------
     def _page_table(self) -> jax.Array:
         """The page table on the device, uploaded again only when a row of it changed."""
@@ -401,23 +434,43 @@ class EngineCore:
             self._table = version, table = self._pages.version, jnp.array(self._pages.table)
         return table
 
-    def _prefill(self) -> None:
+    def _queue_step(self) -> bool:
+        """Queue this step's calls: a prefill chunk for the requests still prefilling,
+        then a decode call over the decoding slots (those that started in this prefill
+        join the next step). False if there was nothing to run."""
+        decoding = sorted(s for s, r in self._running.items() if r.decoding)
+        queued_at, compiles = time.perf_counter(), self._steps.compiles
+        calls = [c for c in (self._prefill(), self._decode(decoding) if decoding else None)
+                 if c is not None]
+        if not calls:
+            return False
+        timed = None
+        if self._learning and self._policy is not None and calls == [calls[0]] \
+                and calls[0].decode:
+            timed = (len(calls[0].requests), calls[0].width)
+        self._queued.append(_Step(calls, queued_at, compiles, timed))
+        return True
+
+    def _prefill(self) -> _Call | None:
         """One chunk for every request still prefilling; those whose prompt is complete
         start decoding."""
         rows = [r for r in self._running.values() if r.filled < len(r.fill)]
         if not rows:
-            return False
+            return None
         g = slot_steps.bucket_up(len(rows), self._row_sizes)
         longest = max(len(r.fill) - r.filled for r in rows)
         t = slot_steps.bucket_up(min(longest, self.prefill_chunk), self._chunk_sizes)
         matrix = self._prefill_matrix(g, t)
         f = len(slot_steps.PREFILL_FIELDS)
+        starting: list[_Request | None] = [None] * g
         for i, r in enumerate(rows):
             fields, chunk = self._prefill_row(r, t)
             matrix[i, :f], matrix[i, f:f + len(chunk)] = fields, chunk
-        starting = matrix[:, slot_steps.PREFILL_FIELDS.index("start_slot")]
-        self._call("prefill", (self._shapes, g, t), starting, matrix, mode="filtered")
-        return True
+            if r.decoding:
+                starting[i] = r
+                r.queued += 1
+        news = self._call("prefill", (self._shapes, g, t), matrix, mode="filtered")
+        return _Call(starting, news, decode=False)
 
     def _prefill_matrix(self, g: int, t: int) -> np.ndarray:
         """[g, F + t] int32: g padding rows (aimed at slot S) of a chunk of t."""
@@ -430,6 +483,7 @@ class EngineCore:
         chunk = r.fill[r.filled:r.filled + t]
         values = dict(slot=r.slot, q_len=len(chunk), first_chunk=r.filled == 0)
         r.filled += len(chunk)
+        r.cache_bound = r.filled
         if r.filled == len(r.fill):
             o = r.options
             values.update(start_slot=r.slot, budget=o.max_tokens, seed=r.seed % 2 ** 32,
@@ -440,24 +494,22 @@ class EngineCore:
             r.decoding = True
         return slot_steps.pad_row(slot_steps.PREFILL_FIELDS, self.max_slots, **values), chunk
 
-    def _decode(self, timed: bool = False) -> None:
-        """One decode call over the decoding slots only, padded to a bucket of rows;
-        `timed`: the step runs no other call, so its wall time is this call's."""
-        decoding = sorted(s for s, r in self._running.items() if r.decoding)
+    def _decode(self, decoding: list[int]) -> _Call:
+        """One decode call over the decoding slots only, padded to a bucket of rows."""
         rows = slot_steps.bucket_up(len(decoding), self._row_sizes)
         slots = np.full((rows,), self.max_slots, np.int32)     # padding rows aim at slot S
         slots[:len(decoding)] = decoding
         matrix = self._slot_rows[slots]
-        read = slot_steps.DECODE_FIELDS.index("read")
-        matrix[:len(decoding), read:read + 2] = [
-            (self._running[s].read, self._running[s].passes_read) for s in decoding]
+        requests = [self._running[s] for s in decoding]
         mode = self._sampling_mode(matrix)
-        width = self._width(rows, [self._running[s] for s in decoding])
-        if timed and self._policy is not None:
-            self._timing = (width, rows, time.perf_counter(), self._steps.compiles)
-        self._call("decode", (self._shapes, rows, mode, width), slots, matrix, mode=mode,
-                   width=width)
-        self._decode_width = width
+        width = self._width(rows, requests)
+        news = self._call("decode", (self._shapes, rows, mode, width), matrix, mode=mode,
+                          width=width)
+        for r in requests:
+            r.queued += 1
+            r.cache_bound += self.decoder.call_lookahead
+        return _Call(requests + [None] * (rows - len(requests)), news, decode=True,
+                     width=width)
 
     def _width(self, rows: int, requests: list[_Request]) -> int | None:
         """The verify width of the next decode call over these requests."""
@@ -477,82 +529,70 @@ class EngineCore:
             return batch_sampling_mode(column("temperature").view(np.float32),
                                        column("top_p").view(np.float32), column("top_k"))
 
-    def _call(self, name: str, key, slots: np.ndarray, matrix: np.ndarray, *,
-              mode: str, **static) -> None:
-        """Run a call; its news (rows [slots]) wait for `_fetch`."""
+    def _call(self, name: str, key, matrix: np.ndarray, *, mode: str, **static) -> jax.Array:
+        """Queue a call on the device; returns its news (read later, by `_collect`)."""
         self._state, news = self._steps(name, key, self._params, self._state,
                                         self._page_table(), jnp.asarray(matrix), mode=mode,
                                         **static)
-        self._news.append((slots, news))
+        return news
 
-    def _fetch(self) -> np.ndarray:
-        """[S + 1, 3 + W + P]: each slot's news from this step's calls, a later call's over
-        an earlier one's (one device-to-host transfer; row S is padding)."""
-        calls, self._news = self._news, []
-        arrays = jax.device_get([news for _, news in calls])
-        width, passes = self._news_width
-        out = np.zeros((self.max_slots + 1, 3 + width + passes), np.int32)
-        for (slots, _), news in zip(calls, arrays):
-            out[slots] = news
-        return out
-
-    def _gained(self, news: list[int], r: _Request) -> tuple[list[int], list[int], bool]:
-        """(new tokens, new pass lengths, done) of request r from its slot's news."""
+    def _gained(self, news: list[int]) -> tuple[list[int], list[int], bool]:
+        """(tokens, pass lengths, done) a row gained in one call, from its news."""
         width, most = self._news_width
         num, passes, done = news[:3]
-        if not (num - r.read <= width and passes - r.passes_read <= most):
-            raise AssertionError(f"slot {r.slot} gained {num - r.read} tokens and "
-                                 f"{passes - r.passes_read} passes in a step; its news hold "
-                                 f"{width} and {most}")
-        new = news[3:3 + num - r.read]
-        accepted = news[3 + width:3 + width + passes - r.passes_read]
-        r.read, r.passes_read = num, passes
-        return new, accepted, bool(done)
+        if not (0 <= num <= width and 0 <= passes <= most):
+            raise AssertionError(f"a row gained {num} tokens and {passes} passes in one "
+                                 f"call; its news hold {width} and {most}")
+        return news[3:3 + num], news[3 + width:3 + width + passes], bool(done)
 
-    def _collect(self) -> list[RequestOutput]:
-        news = self._fetch().tolist()     # Python lists: cheaper to slice row by row
-        self._observe_timing(news)
+    def _collect(self, step: _Step) -> list[RequestOutput]:
+        """Read a queued step's news (one device-to-host transfer) and hand each request
+        what it gained; finished requests free their slots and pages."""
+        arrays = jax.device_get([call.news for call in step.calls])
+        read_at, previous, self._last_read = (time.perf_counter(), self._last_read,
+                                              time.perf_counter())
         outputs = []
-        for slot, r in list(self._running.items()):
-            if not r.decoding:
-                continue
-            new, accepted, done = self._gained(news[slot], r)
-            reason = None
-            stops = r.options.stop_token_ids
-            cut = next((i for i, t in enumerate(new) if t in stops), None) if stops else None
-            if cut is not None:
-                new, reason = new[:cut + 1], "stop"
-            elif done:
-                last = (r.tokens + new)[-1:]
-                hit_eos = last and last[0] in self.eos and not r.options.ignore_eos
-                reason = "stop" if hit_eos else "length"
-            r.tokens += new
-            self._observe_acceptance(r, accepted, done or reason is not None)
-            outputs.append(self._output(r, new, accepted, reason, self._decode_width))
-            if reason is not None:
-                self._by_id.pop(r.request_id, None)
-                self._release(r)
+        passes = 0
+        for call, news in zip(step.calls, arrays):
+            for r, row in zip(call.requests, news.tolist()):   # lists: cheap row slices
+                if r is None:
+                    continue
+                r.queued -= 1
+                new, accepted, done = self._gained(row)
+                passes = max(passes, len(accepted))
+                if call.decode:     # its positions are known now: the bound tightens
+                    r.cache_bound -= self.decoder.call_lookahead - len(new)
+                if r.finished:
+                    continue        # ended or aborted since this call was queued
+                reason = None
+                stops = r.options.stop_token_ids
+                cut = next((i for i, t in enumerate(new) if t in stops), None) if stops \
+                    else None
+                if cut is not None:
+                    new, reason = new[:cut + 1], "stop"
+                elif done:
+                    last = (r.tokens + new)[-1:]
+                    hit_eos = last and last[0] in self.eos and not r.options.ignore_eos
+                    reason = "stop" if hit_eos else "length"
+                r.tokens += new
+                self._observe_acceptance(r, accepted, call.width,
+                                         done or reason is not None)
+                outputs.append(self._output(r, new, accepted, reason, call.width))
+                if reason is not None:
+                    self._finish(r)
+        if step.timed is not None and step.compiles == self._steps.compiles:
+            # the device ran this step from when it was queued or the last step ended
+            rows, width = step.timed
+            self._policy.observe_call(rows, width, read_at - max(step.queued_at, previous),
+                                      passes)
         return outputs
 
-    def _observe_timing(self, news: list[list[int]]) -> None:
-        """The policy learns the decode call's time per pass (a step with no prefill call
-        and no compilation)."""
-        if self._timing is None:
-            return
-        width, rows, start, compiles = self._timing
-        self._timing = None
-        if compiles != self._steps.compiles:
-            return
-        passes = max((news[s][1] - r.passes_read for s, r in self._running.items()
-                      if r.decoding), default=0)
-        self._policy.observe_call(rows, width, time.perf_counter() - start, passes)
-
-    def _observe_acceptance(self, r: _Request, accepted: list[int], finished: bool) -> None:
+    def _observe_acceptance(self, r: _Request, accepted: list[int], width: int | None,
+                            finished: bool) -> None:
         """Each pass's accepted drafts into the request's and the pool's statistics (a
         finished request's last pass may be cut by EOS or its budget: not counted)."""
         if self._policy is None or not accepted or not self._learning:
             return
-        width = self._decode_width
         for length in accepted[:-1] if finished else accepted:
             self._policy.observe_pass(r.acceptance, width, min(length - 1, width))
 

@@ -11,16 +11,18 @@ The page table lives on the host (`slots.SlotPages`) and comes with every call, 
 growth, preemption or release never recompiles anything. A released slot needs no device
 call: its next request's first prefill chunk starts from an empty cache.
 
-Host work per call is kept small, since the host waits for the device every step:
+Host work per call is kept small (the engine queues a step's calls before it reads the
+last step's, so host work hides behind the device only while it is shorter than a call):
   * a call's per-row arguments travel as one int32 matrix (`pad_row`, `unpack_rows`;
     floats as their bits), one host-to-device copy instead of one per argument, and the
     page table is uploaded only when it changed;
   * the weights travel as a flat tuple of arrays: flattening the decoder's nnx state
     (hundreds of Variables, in Python) took 0.26 ms per call for SmolLM2 + DSpine on
     the CPU, against 9 us for the tuple;
-  * each call also returns, for its rows, the tokens and pass lengths emitted since the
-    host last read them (`news`), so a step reads one small array back, not five arrays
-    among them the [S, N] output and pass-length buffers.
+  * each call also returns, for its rows, the tokens and pass lengths that call emitted
+    (`news`), so a step reads one small array back, not five arrays among them the
+    [S, N] output and pass-length buffers, and the host keeps no read cursor that the
+    next call would need.
 
 Compiled functions live with their decoder, not with one EngineCore: a server restarted
 in-process (or several cores over one pipeline) compiles nothing twice. Calls are padded
@@ -47,8 +49,7 @@ from dspine_jax.decoding import BatchDecoder, DecodeState, request_keys
 from dspine_jax.sampling import params_for_mode
 
 # The per-row fields of each call, the columns of its int32 row matrix.
-DECODE_FIELDS = ("slot", "temperature", "top_p", "top_k", "ignore_eos", "read",
-                 "passes_read")
+DECODE_FIELDS = ("slot", "temperature", "top_p", "top_k", "ignore_eos")
 PREFILL_FIELDS = ("slot", "q_len", "first_chunk", "start_slot", "budget", "seed",
                   "temperature", "top_p", "top_k", "ignore_eos", "resume_token",
                   "resume_count", "read")
@@ -113,19 +114,23 @@ def news_width(decoder: BatchDecoder) -> tuple[int, int]:
     return 1 + decoder.call_lookahead, decoder.steps_per_call
 
 
-def news(state: DecodeState, rows, read, passes_read, width: int, passes: int) -> jax.Array:
-    """[n, 3 + W + P] int32 of rows [n] of `state`: num_generated, num_passes, done, then
-    output[read : read + W] and pass_lengths[passes_read : passes_read + P] (0 past the
-    buffers' ends); the host keeps what lies below num_generated and num_passes."""
+def news(state: DecodeState, rows, tokens_before, passes_before, width: int,
+         passes: int) -> jax.Array:
+    """[n, 3 + W + P] int32 of rows [n] of `state`: the tokens and passes each row gained
+    since it held `tokens_before` and `passes_before` (by the call that returns this),
+    done, then output[tokens_before : + W] and pass_lengths[passes_before : + P] (0 past
+    the buffers' ends). A call's news are its own gains, so the host needs no cursor: it
+    can queue the next call before it has read this one."""
     def window(buffer, start, size):
         cols = start[:, None] + jnp.arange(size)[None, :]
         return buffer.at[rows[:, None], cols].get(mode="fill", fill_value=0)
 
     take = lambda x: x.at[rows].get(mode="fill", fill_value=0)  # noqa: E731
     return jnp.concatenate([
-        take(state.num_generated)[:, None], take(state.num_passes)[:, None],
-        take(state.done).astype(jnp.int32)[:, None], window(state.output, read, width),
-        window(state.pass_lengths, passes_read, passes)], axis=1)
+        (take(state.num_generated) - tokens_before)[:, None],
+        (take(state.num_passes) - passes_before)[:, None],
+        take(state.done).astype(jnp.int32)[:, None], window(state.output, tokens_before, width),
+        window(state.pass_lengths, passes_before, passes)], axis=1)
 
 
 # ----- compilation ---------------------------------------------------------------------------
@@ -222,8 +227,10 @@ def prefill_rows(decoder: BatchDecoder, treedef, params, state: DecodeState, pag
     state = decoder.start(state.replace(caches=caches), a["start_slot"], logits, sampling,
                           a["budget"], keys, a["ignore_eos"], a["resume_token"],
                           a["resume_count"])
-    zeros = jnp.zeros_like(a["read"])
-    return state, news(state, a["start_slot"], a["read"], zeros, *news_width(decoder))
+    # a started row holds `read` tokens before its first (a preempted one's: all it emitted)
+    before = jnp.where(a["start_slot"] < state.done.shape[0], a["read"], 0)
+    return state, news(state, a["start_slot"], before, jnp.zeros_like(before),
+                       *news_width(decoder))
 
 
 def decode_rows(decoder: BatchDecoder, treedef, params, state: DecodeState, page_table,
@@ -256,6 +263,7 @@ def decode_rows(decoder: BatchDecoder, treedef, params, state: DecodeState, page
         budget=gather(state.budget), pass_lengths=gather(state.pass_lengths),
         num_passes=gather(state.num_passes), rng=gather(state.rng))
     sampling = params_for_mode(a["temperature"], a["top_p"], a["top_k"], mode)
+    tokens_before, passes_before = sub.num_generated, sub.num_passes
     sub = decoder.decode(params, sub, sampling, a["ignore_eos"], decoder.steps_per_call,
                          width)
 
@@ -274,4 +282,4 @@ def decode_rows(decoder: BatchDecoder, treedef, params, state: DecodeState, page
         num_passes=scatter(state.num_passes, sub.num_passes),
         rng=scatter(state.rng, sub.rng))
     mine = jnp.arange(slots.shape[0])
-    return state, news(sub, mine, a["read"], a["passes_read"], *news_width(decoder))
+    return state, news(sub, mine, tokens_before, passes_before, *news_width(decoder))
