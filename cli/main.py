@@ -75,6 +75,7 @@ def generate(
     proposal_kernel: str = options.proposal_kernel(),
     speculation: Optional[str] = options.speculation(),
     max_verify_width: Optional[int] = options.max_verify_width(),
+    passes_per_call: Optional[int] = options.passes_per_call(),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per prompt on stdout."),
 ):
     """Generate text: autoregressive, or speculative with a DFlash or DSpine drafter."""
@@ -94,6 +95,7 @@ def generate(
         prompts = ([Prompt(prompt, chat)] if prompt is not None
                    else read_prompts_file(prompts_file, chat))
         pipe = Pipeline.load(target, drafter, method=method, dtype=dtype,
+                             steps_per_call=passes_per_call,
                              serving=engine == "slots", attention_backend=attention_backend,
                              proposal=proposal, proposal_kernel=proposal_kernel,
                              speculation=options.speculation_config(speculation,
@@ -541,6 +543,7 @@ def serve_command(
     proposal_kernel: str = options.proposal_kernel(),
     speculation: Optional[str] = options.speculation(),
     max_verify_width: Optional[int] = options.max_verify_width(),
+    passes_per_call: Optional[int] = options.passes_per_call(),
     api_key: Optional[str] = typer.Option(
         None, "--api-key", envvar="DSPINE_API_KEY", metavar="KEY", show_default=False,
         help="Require 'Authorization: Bearer KEY' on every route but /health (401 "
@@ -574,7 +577,8 @@ def serve_command(
                        f"port {port} can use the model", err=True)
         use_compile_cache(compile_cache_dir if compile_cache_dir is not None
                           else str(cache_dir() / "jax-compile-cache"))
-        pipe = Pipeline.from_choice(load_target(target, dtype=dtype), choice, serving=True,
+        pipe = Pipeline.from_choice(load_target(target, dtype=dtype), choice, passes_per_call,
+                                    serving=True,
                                     attention_backend=attention_backend, proposal=proposal,
                                     proposal_kernel=proposal_kernel,
                                     speculation=speculation_config)

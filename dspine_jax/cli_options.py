@@ -91,6 +91,14 @@ def speculation(default: str = "adaptive"):
              f"sample); off: plain AR steps. Default: {default}.")
 
 
+def passes_per_call():
+    return typer.Option(
+        None, "--passes-per-call", min=1, max=64, metavar="N", show_default=False,
+        help="Target passes per device call (a call stops early once all its rows are "
+             "done). Longer calls pay the per-call host cost less often; shorter ones admit "
+             "new requests sooner. Default: 16 offline; serving 8 for AR, 4 with a drafter.")
+
+
 def max_verify_width():
     return typer.Option(
         None, "--max-verify-width", metavar="K", show_default=False,

@@ -51,6 +51,7 @@ N output buffer (max_model_len).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import itertools
 import secrets
@@ -175,7 +176,7 @@ class _Call:
     """A queued call: its rows' requests (None: padding, or a row whose prompt this
     prefill chunk does not complete), the news it returns, and its verify width."""
     requests: list
-    news: jax.Array
+    news: concurrent.futures.Future    # of the call's news array
     decode: bool
     width: int | None = None
 
@@ -241,6 +242,12 @@ class EngineCore:
         self._slot_rows = self._idle_rows.copy()
         self._table = (-1, None)     # (SlotPages.version, the page table on the device)
         self._queued: collections.deque[_Step] = collections.deque()  # steps not read yet
+        # The device calls run in a thread of their own: on a GPU a call's multi-pass loop
+        # holds the thread that launched it until its last pass is launched (the loop's
+        # exit test is read on the host every pass), so the engine plans and reads in its
+        # own thread meanwhile (the call releases the GIL). Only the runner thread touches
+        # the device state once serving has begun.
+        self._runner = concurrent.futures.ThreadPoolExecutor(1, "dspine-runner")
         self._last_read = 0.0        # when the last step's news arrived
         self._news_width = slot_steps.news_width(decoder)
         self._state = slot_steps.empty_state(decoder, self._pages.table, num_pages,
@@ -529,11 +536,17 @@ class EngineCore:
             return batch_sampling_mode(column("temperature").view(np.float32),
                                        column("top_p").view(np.float32), column("top_k"))
 
-    def _call(self, name: str, key, matrix: np.ndarray, *, mode: str, **static) -> jax.Array:
-        """Queue a call on the device; returns its news (read later, by `_collect`)."""
-        self._state, news = self._steps(name, key, self._params, self._state,
-                                        self._page_table(), jnp.asarray(matrix), mode=mode,
-                                        **static)
+    def _call(self, name: str, key, matrix: np.ndarray, *, mode: str,
+              **static) -> concurrent.futures.Future:
+        """Queue a call for the runner thread; returns the future of its news (read later,
+        by `_collect`)."""
+        return self._runner.submit(self._run, name, key, self._page_table(),
+                                   jnp.asarray(matrix), mode, static)
+
+    def _run(self, name: str, key, page_table, matrix, mode: str, static: dict) -> jax.Array:
+        """In the runner thread: one call on the device state."""
+        self._state, news = self._steps(name, key, self._params, self._state, page_table,
+                                        matrix, mode=mode, **static)
         return news
 
     def _gained(self, news: list[int]) -> tuple[list[int], list[int], bool]:
@@ -548,7 +561,7 @@ class EngineCore:
     def _collect(self, step: _Step) -> list[RequestOutput]:
         """Read a queued step's news (one device-to-host transfer) and hand each request
         what it gained; finished requests free their slots and pages."""
-        arrays = jax.device_get([call.news for call in step.calls])
+        arrays = jax.device_get([call.news.result() for call in step.calls])
         read_at, previous, self._last_read = (time.perf_counter(), self._last_read,
                                               time.perf_counter())
         outputs = []
