@@ -26,19 +26,25 @@ from dspine_jax.speculative.policy import SpeculationConfig
 
 METHODS = ("ar", "dflash", "dspine")
 
-# Target passes per host call. Static batches (generate, eval) read tokens back only between
-# calls, and long calls pay: on an H200 at batch 1, 16 passes per call against 4 take the
-# SmolLM2 AR step from 1.37 to 0.99 ms and the DSpine pass from 1.94 to 1.62 ms (batch 8:
-# 1.34 -> 1.04 and 2.37 -> 2.05; docs/benchmarks.md). The slot engine (`dspine serve`,
-# `--engine slots`) admits requests and streams between calls, so it keeps short ones.
+# Target passes per device call. Long calls pay the per-call host cost less often: on an
+# H200 at batch 1 the slot engine decodes AR at 892 tok/s with 4 passes per call and 989
+# with 16, DSpine at 1,345 and 1,818 (docs/benchmarks.md). So every engine runs 16 while
+# one row decodes alone; the slot engine (`dspine serve`, `--engine slots`) shortens its
+# calls while several rows decode, because a row that finishes mid-call holds its slot and
+# a waiting request waits until the call ends (served at concurrency 8, 4 passes per call
+# gave DSpine 4,143 tok/s against 3,473 with 16).
 OFFLINE_STEPS_PER_CALL = 16
 SERVING_STEPS_PER_CALL = {"ar": 8, "drafter": 4}
 
 
-def default_steps_per_call(method: str, serving: bool) -> int:
-    if not serving:
-        return OFFLINE_STEPS_PER_CALL
-    return SERVING_STEPS_PER_CALL["ar" if method == "ar" else "drafter"]
+def steps_per_call_for(method: str, serving: bool, given: int | None = None
+                       ) -> tuple[int, int]:
+    """(passes per call at most, passes per call while several rows share the slot
+    engine's calls): `given` for both, else the defaults above."""
+    if given is not None:
+        return given, given
+    shared = SERVING_STEPS_PER_CALL["ar" if method == "ar" else "drafter"]
+    return OFFLINE_STEPS_PER_CALL, shared if serving else OFFLINE_STEPS_PER_CALL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,8 +196,9 @@ class Pipeline:
              proposal_kernel: str = DEFAULT_PROPOSAL_KERNEL,
              speculation: SpeculationConfig | None = None) -> "Pipeline":
         """`method` defaults to whatever `drafter` is (see `resolve_method`);
-        `steps_per_call` (target passes per host call) defaults to the static batches' 16,
-        or with `serving` (a pipeline for the slot engine) to 8 for AR and 4 with a drafter;
+        `steps_per_call` (target passes per device call) defaults to 16, and with `serving`
+        (a pipeline for the slot engine) to 8 for AR and 4 with a drafter while several
+        rows decode (`steps_per_call_for`); given, it holds for every call;
         `attention_backend` is auto (pallas on GPU/TPU, else xla), pallas or xla.
         With a drafter, `proposal` is sparse (q and p only where verification needs them)
         or dense (for comparison), and `proposal_kernel` is the top-k over the vocabulary
@@ -254,15 +261,17 @@ class Pipeline:
         from dspine_jax.generate import AutoregressiveGenerator
 
         eos = loaded.tokenizer.eos_token_ids if loaded.tokenizer is not None else ()
-        steps_per_call = steps_per_call or default_steps_per_call(choice.method, serving)
+        steps_per_call, shared = steps_per_call_for(choice.method, serving, steps_per_call)
         if choice.drafter is None:
             decoder = AutoregressiveGenerator(loaded.model, eos_token_ids=eos,
                                               steps_per_call=steps_per_call,
+                                              shared_steps_per_call=shared,
                                               attention_backend=attention_backend)
             return cls(loaded, decoder, "ar")
         model = load_drafter(choice.drafter, dtype=loaded.model.dtype)
         decoder = SpeculativeEngine(loaded.model, model, eos_token_ids=eos,
                                     steps_per_call=steps_per_call,
+                                    shared_steps_per_call=shared,
                                     attention_backend=attention_backend,
                                     proposal_impl=proposal, proposal_kernel=proposal_kernel,
                                     speculation=speculation or SpeculationConfig())

@@ -95,8 +95,10 @@ def passes_per_call():
     return typer.Option(
         None, "--passes-per-call", min=1, max=64, metavar="N", show_default=False,
         help="Target passes per device call (a call stops early once all its rows are "
-             "done). Longer calls pay the per-call host cost less often; shorter ones admit "
-             "new requests sooner. Default: 16 offline; serving 8 for AR, 4 with a drafter.")
+             "done). Longer calls pay the per-call host cost less often; shorter ones free "
+             "a finished row's slot and admit new requests sooner. Default: 16; in the slot "
+             "engine (serve, --engine slots) while several rows decode, 8 for AR and 4 with "
+             "a drafter.")
 
 
 def max_verify_width():

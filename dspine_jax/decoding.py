@@ -170,7 +170,7 @@ class BatchDecoder:
     extra_capacity = 0  # cache positions a step writes past the last emitted token
 
     def __init__(self, target: TargetModel, *, eos_token_ids: Sequence[int] = (),
-                 steps_per_call: int = 8,
+                 steps_per_call: int = 8, shared_steps_per_call: int | None = None,
                  attention_backend: str | AttentionBackend | None = "auto",
                  page_size: int = DEFAULT_PAGE_SIZE, num_pages: int | None = None,
                  switches: Switches | None = None):
@@ -178,7 +178,15 @@ class BatchDecoder:
         "pallas", "xla" or an AttentionBackend. num_pages: the page pool's size per batch
         (default: enough for every row at the batch's capacity). switches: the kernel and
         search variants every program of this decoder is traced with (default: the
-        DSPINE_* variables, read now; `pallas_kernels.switches`)."""
+        DSPINE_* variables, read now; `pallas_kernels.switches`). steps_per_call: target
+        passes per decode call (at most, in the slot engine); shared_steps_per_call: the
+        slot engine's passes per call while several rows decode or requests wait (default
+        and at most steps_per_call)."""
+        for name, value in (("steps_per_call", steps_per_call),
+                            ("shared_steps_per_call", shared_steps_per_call)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 1):
+                raise InputError(f"{name} must be a positive integer, got {value!r}")
         self.switches = switches or Switches.from_environment()
         self.config = target.config
         self.dtype = target.dtype
@@ -189,6 +197,8 @@ class BatchDecoder:
         self.target_graph, self.target_params = nnx.split(target)
         self.eos = jnp.asarray(list(eos_token_ids) or [-1], jnp.int32)
         self.steps_per_call = steps_per_call
+        self.shared_steps_per_call = min(shared_steps_per_call or steps_per_call,
+                                         steps_per_call)
         self._compiled: dict[tuple, Callable] = {}
         self.compile_clock = 0.0   # seconds spent compiling, all programs
 

@@ -69,7 +69,7 @@ class SpeculativeEngine(BatchDecoder):
         self.proposal_kernel = proposal_kernel
         self.drafter_config = drafter.config
         super().__init__(target, eos_token_ids=eos_token_ids, steps_per_call=steps_per_call,
-                         **options)
+                         **options)   # options: shared_steps_per_call too
         self.block_size = drafter.config.block_size
         self.extra_capacity = self.block_size  # verify writes a whole block past the anchor
         self.layer_ids = tuple(drafter.config.target_layer_ids)

@@ -148,6 +148,28 @@ def test_engine_core_reads_a_step_while_the_next_is_queued(pipe, offline, monkey
     assert core.stats().free_pages == core.num_pages and not core.has_work()
 
 
+def test_a_row_alone_runs_the_longest_calls(pipe):
+    """The slot engine runs the decoder's most passes per call while one row decodes alone,
+    and its shared count while several do (the news show each call's passes)."""
+    ar = Pipeline.from_loaded(pipe.target, serving=True)
+    decoder = ar.decoder
+    assert (decoder.steps_per_call, decoder.shared_steps_per_call) == (16, 8)
+
+    def passes_per_call(prompts):
+        core = EngineCore(decoder, max_slots=2, max_model_len=CONTEXT)
+        for i, p in enumerate(prompts):
+            core.add_request(str(i), ar.encode(p), SamplingOptions(max_tokens=40,
+                                                                   ignore_eos=True))
+        calls = set()
+        while core.has_work():
+            calls |= {len(o.accept_lengths) for o in core.step() if o.accept_lengths}
+        return calls
+
+    # 40 tokens: the first from the prefill, then 16 + 16 + 7 passes (or 8 + 8 + ...)
+    assert passes_per_call(PLAIN[:1]) == {16, 7}
+    assert max(passes_per_call(PLAIN[:2])) == 8
+
+
 def test_engine_core_abort_stop_tokens_and_checks(pipe, offline):
     core = EngineCore(pipe.decoder, max_slots=SLOTS, max_model_len=CONTEXT)
     ids = pipe.encode(PLAIN[0])

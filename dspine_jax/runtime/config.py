@@ -18,7 +18,8 @@ class RuntimeConfig:
     method: str                      # ar, dflash or dspine
     dtype: str                       # the weights' (bfloat16, float32)
     attention_backend: str           # xla or pallas (resolved)
-    steps_per_call: int              # target passes per host call
+    steps_per_call: int              # target passes per device call (at most)
+    shared_steps_per_call: int       # the slot engine's while several rows decode
     page_size: int                   # KV cache positions per page
     proposal: str | None = None      # sparse or dense; None for AR
     proposal_kernel: str | None = None
@@ -32,7 +33,9 @@ class RuntimeConfig:
         method = decoder.drafter_config.kind if speculative is not None else "ar"
         return cls(method=method, dtype=np.dtype(decoder.dtype).name,
                    attention_backend=decoder.attention.name,
-                   steps_per_call=decoder.steps_per_call, page_size=decoder.page_size,
+                   steps_per_call=decoder.steps_per_call,
+                   shared_steps_per_call=decoder.shared_steps_per_call,
+                   page_size=decoder.page_size,
                    proposal=getattr(decoder, "proposal_impl", None),
                    proposal_kernel=getattr(decoder, "proposal_kernel", None),
                    speculation=({**speculative.to_json(), "widths": list(decoder.widths)}

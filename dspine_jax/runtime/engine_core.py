@@ -248,6 +248,9 @@ class EngineCore:
         # own thread meanwhile (the call releases the GIL). Only the runner thread touches
         # the device state once serving has begun.
         self._runner = concurrent.futures.ThreadPoolExecutor(1, "dspine-runner")
+        # a decode call's pass count, by value: uploaded once, not per call
+        self._passes_on_device = {n: jnp.int32(n) for n in
+                                  {decoder.steps_per_call, decoder.shared_steps_per_call, 1}}
         self._last_read = 0.0        # when the last step's news arrived
         self._news_width = slot_steps.news_width(decoder)
         self._state = slot_steps.empty_state(decoder, self._pages.table, num_pages,
@@ -510,13 +513,23 @@ class EngineCore:
         requests = [self._running[s] for s in decoding]
         mode = self._sampling_mode(matrix)
         width = self._width(rows, requests)
-        news = self._call("decode", (self._shapes, rows, mode, width), matrix, mode=mode,
-                          width=width)
+        passes = self._passes(len(requests))
+        news = self._call("decode", (self._shapes, rows, mode, width), matrix,
+                          self._passes_on_device[passes], mode=mode, width=width)
         for r in requests:
             r.queued += 1
             r.cache_bound += self.decoder.call_lookahead
         return _Call(requests + [None] * (rows - len(requests)), news, decode=True,
                      width=width)
+
+    def _passes(self, decoding: int) -> int:
+        """Passes of the next decode call: the decoder's most for a row decoding alone
+        with nobody waiting (a long call then delays no one, and pays the per-call cost
+        less often), else its shared count (a finishing row's slot and a waiting request
+        wait for the call's end)."""
+        if decoding == 1 and not self._waiting:
+            return self.decoder.steps_per_call
+        return self.decoder.shared_steps_per_call
 
     def _width(self, rows: int, requests: list[_Request]) -> int | None:
         """The verify width of the next decode call over these requests."""
@@ -536,17 +549,18 @@ class EngineCore:
             return batch_sampling_mode(column("temperature").view(np.float32),
                                        column("top_p").view(np.float32), column("top_k"))
 
-    def _call(self, name: str, key, matrix: np.ndarray, *, mode: str,
+    def _call(self, name: str, key, matrix: np.ndarray, *inputs, mode: str,
               **static) -> concurrent.futures.Future:
         """Queue a call for the runner thread; returns the future of its news (read later,
-        by `_collect`)."""
+        by `_collect`). inputs: decode's passes."""
         return self._runner.submit(self._run, name, key, self._page_table(),
-                                   jnp.asarray(matrix), mode, static)
+                                   jnp.asarray(matrix), inputs, mode, static)
 
-    def _run(self, name: str, key, page_table, matrix, mode: str, static: dict) -> jax.Array:
+    def _run(self, name: str, key, page_table, matrix, inputs: tuple, mode: str,
+             static: dict) -> jax.Array:
         """In the runner thread: one call on the device state."""
         self._state, news = self._steps(name, key, self._params, self._state, page_table,
-                                        matrix, mode=mode, **static)
+                                        matrix, *inputs, mode=mode, **static)
         return news
 
     def _gained(self, news: list[int]) -> tuple[list[int], list[int], bool]:
@@ -629,7 +643,8 @@ class EngineCore:
         calls = []
         for r, mode, width in itertools.product(self._row_sizes, modes, self._widths):
             matrix = self._idle_rows[np.full((r,), self.max_slots)]
-            calls.append(("decode", (self._shapes, r, mode, width), self._args(matrix), mode,
+            calls.append(("decode", (self._shapes, r, mode, width),
+                          self._args(matrix) + (self._passes_on_device[1],), mode,
                           {"width": width}))
         for g, t in itertools.product(self._row_sizes, self._chunk_sizes):
             calls.append(("prefill", (self._shapes, g, t),

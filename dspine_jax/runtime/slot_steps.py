@@ -4,7 +4,7 @@ public step API (`prefill`, `start`, `decode`).
 
   prefill_rows   one prefill chunk for G slots; slots whose prompt is then complete start
                  decoding (first token sampled, or a preempted request's anchor taken back)
-  decode_rows    one decode call (steps_per_call target passes) over the R decoding
+  decode_rows    one decode call (up to steps_per_call target passes) over the R decoding
                  slots, gathered into R rows (a power-of-two bucket) and scattered back
 
 The page table lives on the host (`slots.SlotPages`) and comes with every call, so a row's
@@ -234,10 +234,11 @@ def prefill_rows(decoder: BatchDecoder, treedef, params, state: DecodeState, pag
 
 
 def decode_rows(decoder: BatchDecoder, treedef, params, state: DecodeState, page_table,
-                rows, *, mode: str = "filtered",
+                rows, passes, *, mode: str = "filtered",
                 width: int | None = None) -> tuple[DecodeState, jax.Array]:
-    """steps_per_call target passes, each verifying `width` drafts (None: the decoder's
-    widest), over the R slots that are decoding (rows [R, F]:
+    """Up to `passes` target passes (a traced scalar, at most the decoder's
+    steps_per_call: one program serves every call length), each verifying `width` drafts
+    (None: the decoder's widest), over the R slots that are decoding (rows [R, F]:
     DECODE_FIELDS; padding: slot S); the other slots are not computed. The R rows' own
     fields are gathered into a state of R rows over the same page pools and scattered back
     after the call, so a step costs what R rows cost, and R, a power of two, compiles a
@@ -264,8 +265,8 @@ def decode_rows(decoder: BatchDecoder, treedef, params, state: DecodeState, page
         num_passes=gather(state.num_passes), rng=gather(state.rng))
     sampling = params_for_mode(a["temperature"], a["top_p"], a["top_k"], mode)
     tokens_before, passes_before = sub.num_generated, sub.num_passes
-    sub = decoder.decode(params, sub, sampling, a["ignore_eos"], decoder.steps_per_call,
-                         width)
+    passes = jnp.minimum(passes, decoder.steps_per_call)    # the news hold no more
+    sub = decoder.decode(params, sub, sampling, a["ignore_eos"], passes, width)
 
     def scatter(full, part):
         return full.at[slots].set(part, mode="drop")
