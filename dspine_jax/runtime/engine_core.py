@@ -16,7 +16,8 @@ call (a no-op for it; its news are dropped), and pages are held for every queued
 Every step:
   1. aborts take effect (the slot and its pages are free at once);
   2. each decoding request holds exactly the pages its queued calls and the next decode
-     call can write (its cache length + `call_lookahead` per call, never past prompt +
+     call can write (its cache length + each call's passes x the positions a pass can
+     write, never past prompt +
      max_tokens + the verify block):
      it grows, and pages past that (left by rejected drafts near the end) go back; when
      the pool is short, the newest request in a slot is preempted: its pages are freed
@@ -179,6 +180,7 @@ class _Call:
     news: concurrent.futures.Future    # of the call's news array
     decode: bool
     width: int | None = None
+    passes: int = 0
 
 
 @dataclasses.dataclass
@@ -249,6 +251,8 @@ class EngineCore:
         # the device state once serving has begun.
         self._runner = concurrent.futures.ThreadPoolExecutor(1, "dspine-runner")
         # a decode call's pass count, by value: uploaded once, not per call
+        self._pass_positions = max(1, decoder.extra_capacity)  # a pass writes at most
+        self._next_passes = decoder.steps_per_call   # the next decode call's (set by _grow)
         self._passes_on_device = {n: jnp.int32(n) for n in
                                   {decoder.steps_per_call, decoder.shared_steps_per_call, 1}}
         self._last_read = 0.0        # when the last step's news arrived
@@ -367,12 +371,13 @@ class EngineCore:
         """Positions a request needs before the next decode call: what its queued calls
         can write and one call more."""
         held = request.cache_bound if request.decoding else len(request.fill)
-        return min(held + self.decoder.call_lookahead,
+        return min(held + self._next_passes * self._pass_positions,
                    request.max_positions + self.decoder.extra_capacity)
 
     def _grow(self) -> None:
         """Every decoding request holds the pages of its next decode call; the newest
         requests are preempted while the pool is short."""
+        self._next_passes = self._passes(sum(r.decoding for r in self._running.values()))
         for request in sorted(self._running.values(), key=lambda r: r.order):
             if not request.decoding or request.slot < 0:
                 continue
@@ -513,14 +518,14 @@ class EngineCore:
         requests = [self._running[s] for s in decoding]
         mode = self._sampling_mode(matrix)
         width = self._width(rows, requests)
-        passes = self._passes(len(requests))
+        passes = self._next_passes          # what _grow held pages for
         news = self._call("decode", (self._shapes, rows, mode, width), matrix,
                           self._passes_on_device[passes], mode=mode, width=width)
         for r in requests:
             r.queued += 1
-            r.cache_bound += self.decoder.call_lookahead
+            r.cache_bound += passes * self._pass_positions
         return _Call(requests + [None] * (rows - len(requests)), news, decode=True,
-                     width=width)
+                     width=width, passes=passes)
 
     def _passes(self, decoding: int) -> int:
         """Passes of the next decode call: the decoder's most for a row decoding alone
@@ -588,7 +593,7 @@ class EngineCore:
                 new, accepted, done = self._gained(row)
                 passes = max(passes, len(accepted))
                 if call.decode:     # its positions are known now: the bound tightens
-                    r.cache_bound -= self.decoder.call_lookahead - len(new)
+                    r.cache_bound -= call.passes * self._pass_positions - len(new)
                 if r.finished:
                     continue        # ended or aborted since this call was queued
                 reason = None
