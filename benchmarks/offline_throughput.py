@@ -134,13 +134,13 @@ def main(argv=None):
     rows = []
     greedy_ar = {}      # rows -> AR's T = 0 tokens from its first engine (the reference)
     for method, drafter, mode in methods:
-        # static batches with the offline call length, slots with the serving engine's
-        # (or each --slot-steps-per-call)
+        # every engine with the offline call length (the slots: or each
+        # --slot-steps-per-call)
         variants = [(e, n) for e in args.engine
                     for n in ((args.slot_steps_per_call or [None]) if e == "slots" else [None])]
         pipes = {(engine, n): Pipeline.from_loaded(
-            loaded, drafter, method=None if drafter else "ar", serving=engine == "slots",
-            steps_per_call=n, attention_backend=args.attention_backend,
+            loaded, drafter, method=None if drafter else "ar", steps_per_call=n,
+            attention_backend=args.attention_backend,
             **({"proposal_kernel": args.proposal_kernel,
                 "speculation": SpeculationConfig(mode)} if drafter else {}))
             for engine, n in variants}

@@ -95,8 +95,7 @@ def generate(
         prompts = ([Prompt(prompt, chat)] if prompt is not None
                    else read_prompts_file(prompts_file, chat))
         pipe = Pipeline.load(target, drafter, method=method, dtype=dtype,
-                             steps_per_call=passes_per_call,
-                             serving=engine == "slots", attention_backend=attention_backend,
+                             steps_per_call=passes_per_call, attention_backend=attention_backend,
                              proposal=proposal, proposal_kernel=proposal_kernel,
                              speculation=options.speculation_config(speculation,
                                                                     max_verify_width))

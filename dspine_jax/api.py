@@ -29,7 +29,7 @@ METHODS = ("ar", "dflash", "dspine")
 # Target passes per device call. Long calls pay the per-call host cost less often: on an
 # H200 at batch 1 the slot engine decodes AR at 892 tok/s with 4 passes per call and 989
 # with 16, DSpine at 1,345 and 1,818 (docs/benchmarks.md). So every engine runs 16 while
-# one row decodes alone; the slot engine (`dspine serve`, `--engine slots`) shortens its
+# one row decodes alone; `dspine serve` (a `serving` pipeline) shortens its
 # calls while several rows decode, because a row that finishes mid-call holds its slot and
 # a waiting request waits until the call ends (served at concurrency 8, 4 passes per call
 # gave DSpine 4,143 tok/s against 3,473 with 16).

@@ -96,9 +96,8 @@ def passes_per_call():
         None, "--passes-per-call", min=1, max=64, metavar="N", show_default=False,
         help="Target passes per device call (a call stops early once all its rows are "
              "done). Longer calls pay the per-call host cost less often; shorter ones free "
-             "a finished row's slot and admit new requests sooner. Default: 16; in the slot "
-             "engine (serve, --engine slots) while several rows decode, 8 for AR and 4 with "
-             "a drafter.")
+             "a finished row's slot and admit new requests sooner. Default: 16; dspine "
+             "serve, while several rows decode: 8 for AR and 4 with a drafter.")
 
 
 def max_verify_width():

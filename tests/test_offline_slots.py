@@ -105,12 +105,15 @@ def test_generate_command_with_slots(tiny_llama_dir, loaded, tmp_path):
 
 
 def test_static_batches_take_long_calls_and_the_slot_engine_short_ones(loaded, tiny_dspine_dir):
-    """Passes per host call: 16 for static batches; a serving pipeline (the slot engine's:
-    `dspine serve`, `--engine slots`) keeps 8 for AR and 4 with a drafter; an explicit
-    value wins."""
+    """Passes per call: 16 at most; a serving pipeline (`dspine serve`) shares its calls
+    in 8 for AR and 4 with a drafter while several rows decode; an explicit value holds
+    for both."""
     def steps(*drafter, **kw):
-        return Pipeline.from_loaded(loaded, *drafter, **kw).decoder.steps_per_call
+        decoder = Pipeline.from_loaded(loaded, *drafter, **kw).decoder
+        return decoder.steps_per_call, decoder.shared_steps_per_call
 
-    assert (steps(), steps(tiny_dspine_dir)) == (16, 16)
-    assert (steps(serving=True), steps(tiny_dspine_dir, serving=True)) == (8, 4)
-    assert steps(tiny_dspine_dir, serving=True, steps_per_call=2) == 2
+    assert (steps(), steps(tiny_dspine_dir)) == ((16, 16), (16, 16))
+    assert (steps(serving=True), steps(tiny_dspine_dir, serving=True)) == ((16, 8), (16, 4))
+    assert steps(tiny_dspine_dir, serving=True, steps_per_call=2) == (2, 2)
+    with pytest.raises(InputError, match="steps_per_call"):
+        Pipeline.from_loaded(loaded, steps_per_call=0)

@@ -525,7 +525,7 @@ def test_disconnect_mid_stream_frees_the_slot(served):
     """A streaming client that closes its connection, and a non-streaming one that gives
     up, both abort their requests: every slot is free again."""
     body = {"prompt": "hello", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
-    with slow_engine(served.engine):
+    with slow_engine(served.engine, seconds=0.1):   # 200 tokens: 13 steps of 16 passes
         with httpx.Client(base_url=served.url, timeout=30, trust_env=False) as client:
             with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
                 assert r.status_code == 200
