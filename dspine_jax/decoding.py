@@ -231,10 +231,15 @@ class BatchDecoder:
 
     # ----- the step API (offline batches and the serving engine) -------------------------
     @property
+    def pass_positions(self) -> int:
+        """Cache positions one step can write past a row's length (and advance it by)."""
+        return max(1, self.extra_capacity)
+
+    @property
     def call_lookahead(self) -> int:
         """Cache positions one decode call (steps_per_call steps) can write past a row's
-        length: a step writes at most max(1, extra_capacity) and advances as far."""
-        return self.steps_per_call * max(1, self.extra_capacity)
+        length."""
+        return self.steps_per_call * self.pass_positions
 
     @staticmethod
     def with_page_table(caches: tuple, page_table: jax.Array) -> tuple:

@@ -53,7 +53,8 @@ class SpeculativeEngine(BatchDecoder):
                  proposal_impl: str = DEFAULT_PROPOSAL,
                  proposal_kernel: str = DEFAULT_PROPOSAL_KERNEL,
                  speculation: SpeculationConfig = SpeculationConfig("fixed"), **options):
-        """options: BatchDecoder's (attention_backend, page_size, num_pages).
+        """options: BatchDecoder's (shared_steps_per_call, attention_backend, page_size,
+        num_pages).
         proposal_impl: "sparse" (q and p only where needed, no [K, V] warp) or "dense"
         (the original [B, K, V] p and q, kept for comparison). proposal_kernel: the
         `vocab_top_k` implementation of DSpine's sparse proposal ("xla", "auto", "pallas",
@@ -69,7 +70,7 @@ class SpeculativeEngine(BatchDecoder):
         self.proposal_kernel = proposal_kernel
         self.drafter_config = drafter.config
         super().__init__(target, eos_token_ids=eos_token_ids, steps_per_call=steps_per_call,
-                         **options)   # options: shared_steps_per_call too
+                         **options)
         self.block_size = drafter.config.block_size
         self.extra_capacity = self.block_size  # verify writes a whole block past the anchor
         self.layer_ids = tuple(drafter.config.target_layer_ids)

@@ -17,8 +17,7 @@ Every step:
   1. aborts take effect (the slot and its pages are free at once);
   2. each decoding request holds exactly the pages its queued calls and the next decode
      call can write (its cache length + each call's passes x the positions a pass can
-     write, never past prompt +
-     max_tokens + the verify block):
+     write, never past prompt + max_tokens + the verify block):
      it grows, and pages past that (left by rejected drafts near the end) go back; when
      the pool is short, the newest request in a slot is preempted: its pages are freed
      and it goes back to the head of the queue, to be recomputed later from its prompt
@@ -250,9 +249,8 @@ class EngineCore:
         # own thread meanwhile (the call releases the GIL). Only the runner thread touches
         # the device state once serving has begun.
         self._runner = concurrent.futures.ThreadPoolExecutor(1, "dspine-runner")
-        # a decode call's pass count, by value: uploaded once, not per call
-        self._pass_positions = max(1, decoder.extra_capacity)  # a pass writes at most
         self._next_passes = decoder.steps_per_call   # the next decode call's (set by _grow)
+        # a decode call's pass count, by value: uploaded once, not per call
         self._passes_on_device = {n: jnp.int32(n) for n in
                                   {decoder.steps_per_call, decoder.shared_steps_per_call, 1}}
         self._last_read = 0.0        # when the last step's news arrived
@@ -371,7 +369,7 @@ class EngineCore:
         """Positions a request needs before the next decode call: what its queued calls
         can write and one call more."""
         held = request.cache_bound if request.decoding else len(request.fill)
-        return min(held + self._next_passes * self._pass_positions,
+        return min(held + self._next_passes * self.decoder.pass_positions,
                    request.max_positions + self.decoder.extra_capacity)
 
     def _grow(self) -> None:
@@ -460,7 +458,7 @@ class EngineCore:
         if not calls:
             return False
         timed = None
-        if self._learning and self._policy is not None and calls == [calls[0]] \
+        if self._learning and self._policy is not None and len(calls) == 1 \
                 and calls[0].decode:
             timed = (len(calls[0].requests), calls[0].width)
         self._queued.append(_Step(calls, queued_at, compiles, timed))
@@ -523,7 +521,7 @@ class EngineCore:
                           self._passes_on_device[passes], mode=mode, width=width)
         for r in requests:
             r.queued += 1
-            r.cache_bound += passes * self._pass_positions
+            r.cache_bound += passes * self.decoder.pass_positions
         return _Call(requests + [None] * (rows - len(requests)), news, decode=True,
                      width=width, passes=passes)
 
@@ -581,8 +579,8 @@ class EngineCore:
         """Read a queued step's news (one device-to-host transfer) and hand each request
         what it gained; finished requests free their slots and pages."""
         arrays = jax.device_get([call.news.result() for call in step.calls])
-        read_at, previous, self._last_read = (time.perf_counter(), self._last_read,
-                                              time.perf_counter())
+        read_at = time.perf_counter()
+        previous, self._last_read = self._last_read, read_at
         outputs = []
         passes = 0
         for call, news in zip(step.calls, arrays):
@@ -593,7 +591,7 @@ class EngineCore:
                 new, accepted, done = self._gained(row)
                 passes = max(passes, len(accepted))
                 if call.decode:     # its positions are known now: the bound tightens
-                    r.cache_bound -= call.passes * self._pass_positions - len(new)
+                    r.cache_bound -= call.passes * self.decoder.pass_positions - len(new)
                 if r.finished:
                     continue        # ended or aborted since this call was queued
                 reason = None

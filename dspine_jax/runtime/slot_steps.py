@@ -110,7 +110,7 @@ def unpack_rows(rows: jax.Array, fields: tuple[str, ...]) -> dict[str, jax.Array
 # ----- what a call returns for its rows ------------------------------------------------------
 def news_width(decoder: BatchDecoder) -> tuple[int, int]:
     """(W, P): tokens and passes a row can gain in one step, a first token and one decode
-    call (each pass emits at most max(1, extra_capacity) tokens)."""
+    call (each pass emits at most `pass_positions` tokens)."""
     return 1 + decoder.call_lookahead, decoder.steps_per_call
 
 
@@ -227,9 +227,9 @@ def prefill_rows(decoder: BatchDecoder, treedef, params, state: DecodeState, pag
     state = decoder.start(state.replace(caches=caches), a["start_slot"], logits, sampling,
                           a["budget"], keys, a["ignore_eos"], a["resume_token"],
                           a["resume_count"])
-    # a started row holds `read` tokens before its first (a preempted one's: all it emitted)
-    before = jnp.where(a["start_slot"] < state.done.shape[0], a["read"], 0)
-    return state, news(state, a["start_slot"], before, jnp.zeros_like(before),
+    # `read`, set on starting rows only (0 elsewhere): the tokens a row held before its
+    # first (a preempted one's: all it emitted)
+    return state, news(state, a["start_slot"], a["read"], jnp.zeros_like(a["read"]),
                        *news_width(decoder))
 
 
