@@ -119,19 +119,12 @@ def with_context(state, context: int):
     return state.replace(caches=caches)
 
 
-def pool_pages(batch: int, positions: int, page_size: int) -> int:
-    """A pool of exactly the pages `batch` rows of `positions` positions own (the default
-    pool covers every row at the power-of-two capacity bucket: up to twice the memory)."""
-    from dspine_jax.kv_cache import pages_needed
-
-    return batch * pages_needed(positions, page_size)
-
-
 def bench_jax(args) -> list[dict]:
     import jax
     import numpy as np
 
     from dspine_jax.generate import AutoregressiveGenerator
+    from dspine_jax.runtime.fixed_batch import FixedBatch
 
     contexts = args.context or [args.prompt_len]
     budget = 2 * max(2, args.new_tokens // min(args.steps_per_call)) * max(args.steps_per_call)
@@ -149,11 +142,10 @@ def bench_jax(args) -> list[dict]:
                          capacity - args.prompt_len)
         gen = AutoregressiveGenerator(
             model, eos_token_ids=[], steps_per_call=steps, attention_backend=backend,
-            page_size=args.page_size,
-            num_pages=pool_pages(b, args.prompt_len + new_tokens, args.page_size))
+            page_size=args.page_size)
         prompts = np.random.default_rng(0).integers(
             0, config.vocab_size, size=(b, args.prompt_len)).tolist()
-        run = gen.prepare(prompts, max_new_tokens=new_tokens, ignore_eos=True)
+        run = FixedBatch(gen, prompts, max_new_tokens=new_tokens, ignore_eos=True)
 
         def decode_calls():
             state = run.decode(with_context(run.prefill(), context))

@@ -14,20 +14,17 @@ same dequantised weights in the same dtype. Prompts: JSONL as for `dspine genera
 row decodes exactly --max-new-tokens (EOS ignored), so both sides emit the same number of
 tokens.
 
-Timing: each (side, method, batch) first compiles (JAX: every shape its batches need, in
---compile-workers threads) or decodes one batch to autotune (PyTorch), then decodes
-all prompts in batches; tokens/s = all new tokens / decode seconds (JAX: the engine's own
-wall time, compilation excluded; PyTorch: wall time with the device synchronised). The
-JAX engine decodes every batch twice and times the second run; first_run_seconds sums the
-first runs, which include XLA's one-time setup of every shape compiled for the batch.
---stream-ahead 1 0 times every JAX batch both with the engine's next call
-queued while the host reads the last (the default) and without, back to back;
+Timing: each (side, method, batch) first decodes once untimed (JAX: every batch, which
+compiles its programs; PyTorch: one batch, to autotune), then decodes all prompts in
+batches; tokens/s = all new tokens / decode seconds (JAX: the engine's own wall time,
+compilation excluded; PyTorch: wall time with the device synchronised); first_run_seconds
+sums JAX's untimed runs, which include XLA's one-time setup of every program.
 --steps-per-call 4 16 times every JAX method with 4 and with 16 target passes per host
-call (each its own compiled engine over the same target). JAX rows
-also split the engine's time: prefill_seconds (until the prefill's first tokens
-are read), batch_passes (per batch, the most passes any of its rows took: a batch decodes
-until then), pass_ms = decode seconds / batch_passes (comparable with `spec_step`'s pass
-time) and row_pass_share = the rows' own passes / the passes their batches ran.
+call (each its own compiled engine over the same target). JAX rows also split the
+engine's time: prefill_seconds (until the first tokens are read), batch_passes (per
+batch, the most passes any of its rows took: a batch decodes until then), pass_ms =
+decode seconds / batch_passes (comparable with `spec_step`'s pass time) and
+row_pass_share = the rows' own passes / the passes their batches ran.
 PyTorch AR is `model.generate` (greedy, dynamic cache) over left-padded batches.
 
 At T = 0 the report also gives the share of rows whose tokens are identical on both sides
@@ -40,37 +37,23 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import itertools
 import json
-import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from dspine_jax.runtime.offline import generate_tokens
 from dspine_jax.speculative.policy import SpeculationConfig
-
-
-def compile_shapes(decoder, groups, workers: int, **options) -> None:
-    """Compile the programs of every shape the groups of prompts fall into, in threads
-    (XLA compiles outside the GIL): one group per shape, as the decoder buckets them
-    (`bucket_shape`)."""
-    import concurrent.futures
-
-    shapes = {}
-    for group in groups:
-        shapes.setdefault(decoder.bucket_shape(group, options["max_new_tokens"]), group)
-    with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
-        list(pool.map(lambda g: decoder.prepare(g, **options), shapes.values()))
 
 
 def time_engine(pipe, groups, batch, drafter, kw, repeats: int = 1):
     """Decode every group once untimed (the first run of a newly compiled shape also pays
     XLA's setup), then `repeats` times: (tokens, accept lengths, seconds, row fields) of
     the timed run with the median total seconds; `seconds_runs` lists every timed run."""
-    first_run = sum(pipe.decoder.generate(group, seed=i * batch, **kw).seconds
+    first_run = sum(generate_tokens(pipe.decoder, group, seed=i * batch, **kw).seconds
                     for i, group in enumerate(groups))
-    runs = [[pipe.decoder.generate(group, seed=i * batch, **kw)
+    runs = [[generate_tokens(pipe.decoder, group, seed=i * batch, **kw)
              for i, group in enumerate(groups)] for _ in range(repeats)]
     totals = [sum(r.seconds for r in run) for run in runs]
     median = sorted(range(repeats), key=totals.__getitem__)[(repeats - 1) // 2]
@@ -117,15 +100,9 @@ def parse(argv=None):
     ap.add_argument("--skip-ar", action="store_true")
     ap.add_argument("--skip-torch", action="store_true",
                     help="time the JAX engine only (no transformers target is built)")
-    ap.add_argument("--stream-ahead", type=int, nargs="+", choices=[0, 1], default=None,
-                    help="JAX: time each batch with the engine's next call queued ahead of "
-                         "the host (1) and/or read before the next is queued (0), back to "
-                         "back in this process (default: DSPINE_STREAM_AHEAD, else 1)")
     ap.add_argument("--steps-per-call", type=int, nargs="+", default=None,
                     help="JAX: target passes per host call of the engine, each value timed "
-                         "in turn (default: the pipeline's, 16 for static batches)")
-    ap.add_argument("--compile-workers", type=int, default=8,
-                    help="shapes compiled at once before a method's batches are timed")
+                         "in turn (default: the pipeline's, 16 offline)")
     ap.add_argument("--out", default=None, help="JSON, rewritten after every row")
     return ap.parse_args(argv)
 
@@ -222,16 +199,10 @@ def main(argv=None):
                          .to(device) if drafter and hf_target is not None else None)
         for b in args.batch:
             groups = batches(prompts, b)
-            # JAX engine: compile every batch's shapes side by side, then time every batch.
             kw = {"max_new_tokens": new, "temperature": args.temperature, "ignore_eos": True}
             for pipe in pipes.values():
-                compile_shapes(pipe.decoder, groups, args.compile_workers, **kw)
-            for pipe, ahead in itertools.product(pipes.values(), args.stream_ahead or [None]):
-                if ahead is not None:   # read by every `stream` call (decoding.py)
-                    os.environ["DSPINE_STREAM_AHEAD"] = str(ahead)
-                extra = {} if ahead is None else {"stream_ahead": ahead}
                 record("jax", method, b, "engine", *time_engine(pipe, groups, b, drafter, kw),
-                       steps_per_call=pipe.decoder.steps_per_call, **extra)
+                       steps_per_call=pipe.decoder.steps_per_call)
             if hf_target is None:
                 continue
             for impl in (args.torch_implementation if drafter else ["generate"]):

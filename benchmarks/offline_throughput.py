@@ -1,5 +1,6 @@
 """Offline throughput: many prompts through B rows, static batches against continuous
-batching (SGLang's `bench_offline_throughput` shape), AR and every drafter, side by side.
+batching (SGLang's `bench_offline_throughput` shape), AR and every drafter, side by side,
+both on the one engine (`dspine_jax.runtime`).
 
     python -m dspine_benchmarks.offline_throughput \
         --drafter smollm2-135m-instruct-dflash --drafter smollm2-135m-instruct-dspine \
@@ -7,14 +8,14 @@ batching (SGLang's `bench_offline_throughput` shape), AR and every drafter, side
         --temperature 0 1 --out offline_throughput.json
 
 For each method, temperature and row count B, the same prompts decode with
-  batch   the batch engine: static batches of B, each until its row with the most target
-          passes is done (a speculative row advances by its own accepted length per pass,
-          so the slowest row sets the batch's passes);
-  slots   `dspine_jax.runtime.offline` (`dspine generate --engine slots`): B slots of the
-          serving engine's core, a finished row's slot taking the next prompt at once.
+  batch   static batches: groups of B prompts, each a run of its own until its row with
+          the most target passes is done (a speculative row advances by its own accepted
+          length per pass, so the slowest row sets the batch's passes);
+  slots   one run of B slots over every prompt (`dspine generate --batch-size B`), a
+          finished row's slot taking the next prompt at once.
 Every row decodes exactly --max-new-tokens (EOS ignored), so every method emits the same
-tokens. Each (method, engine, T, B) compiles every shape it needs first, then decodes
-all prompts once untimed (which also pays XLA's one-time setup of each shape), then
+tokens. Each (method, engine, T, B) decodes all prompts once untimed (which compiles
+its programs and pays XLA's one-time setup of each), then
 --repeats timed runs (the median; `seconds_runs` lists each); tokens/s = all new tokens /
 decode seconds, compilation excluded. x_ar is tokens/s over AR's with the same engine,
 passes per call, T and B; x_ar_best over AR's best engine. --slot-steps-per-call runs the
@@ -25,7 +26,7 @@ passes is done, summed over batches), row_pass_share = row_passes / (batch_passe
 (the straggler cost), ms_per_pass = seconds / batch_passes, prefill included, and
 `loop_vs_engine`'s prefill_seconds, pass_ms (prefill excluded) and first_run_seconds; `slots`
 rows give the engine's steps (each: a prefill and/or a decode call of several passes) and
-compile_seconds (the first run's warm-up: every call shape of the slots compiled).
+compile_seconds (the untimed run's).
 same_as_ar (T = 0, when AR ran): the share of prompts whose tokens equal AR's from its
 first engine (batch, unless --engine slots alone) at the same B; lossless decoding gives
 1 in exact float32, and in bf16 AR's own slots row is the baseline (near-ties flip a few
@@ -40,7 +41,7 @@ import json
 import sys
 from pathlib import Path
 
-from dspine_benchmarks.loop_vs_engine import batches, compile_shapes, read_prompts, time_engine
+from dspine_benchmarks.loop_vs_engine import batches, read_prompts, time_engine
 from dspine_jax.speculative.policy import MODES, SpeculationConfig, slot_acceptance
 
 ENGINES = ("batch", "slots")
@@ -69,7 +70,6 @@ def parse(argv=None):
                     help="target passes per decode call of the slots (several: a row each; "
                          "default: the serving engine's)")
     ap.add_argument("--skip-ar", action="store_true")
-    ap.add_argument("--compile-workers", type=int, default=8)
     ap.add_argument("--out", default=None, help="JSON, rewritten after every row")
     args = ap.parse_args(argv)
     if min(args.num_prompts, args.max_new_tokens, min(args.rows), args.repeats) < 1:
@@ -77,12 +77,11 @@ def parse(argv=None):
     return args
 
 
-def run_batch(pipe, prompts, rows, kw, workers, drafter, repeats) -> dict:
+def run_batch(pipe, prompts, rows, kw, drafter, repeats) -> dict:
     """Static batches of `rows`: the median of `repeats` timed runs after an untimed one
     (`loop_vs_engine`'s). A drafter verifying its whole block on every pass also gives
     its per-slot acceptance profile (what adaptive speculation's choice depends on)."""
     groups = batches(prompts, rows)
-    compile_shapes(pipe.decoder, groups, workers, **kw)
     tokens, accepts, seconds, fields = time_engine(pipe, groups, rows, drafter, kw, repeats)
     # a row's passes after the prefill, which emits its first token (AR: one per token)
     own = sum(len(a) for a in accepts) if drafter else sum(len(t) - 1 for t in tokens)
@@ -95,12 +94,12 @@ def run_batch(pipe, prompts, rows, kw, workers, drafter, repeats) -> dict:
 
 
 def run_slots(pipe, prompts, rows, kw, repeats) -> dict:
-    """`rows` slots of the serving engine's core: the median of `repeats` timed runs after
-    an untimed one (which compiles every call shape)."""
-    from dspine_jax.runtime.offline import generate_slots
+    """`rows` slots over every prompt: the median of `repeats` timed runs after an untimed
+    one (which compiles)."""
+    from dspine_jax.runtime.offline import generate_tokens
 
-    compiled = generate_slots(pipe.decoder, prompts, max_slots=rows, **kw).compile_seconds
-    runs = [generate_slots(pipe.decoder, prompts, max_slots=rows, **kw)
+    compiled = generate_tokens(pipe.decoder, prompts, max_slots=rows, **kw).compile_seconds
+    runs = [generate_tokens(pipe.decoder, prompts, max_slots=rows, **kw)
             for _ in range(repeats)]
     run = sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]
     return {"tokens": sum(len(g.tokens) for g in run.generations), "seconds": run.seconds,
@@ -151,8 +150,7 @@ def main(argv=None):
                 for engine, n in variants:
                     pipe = pipes[(engine, n)]
                     got, tokens = (
-                        run_batch(pipe, prompts, b, kw, args.compile_workers, drafter,
-                                  args.repeats)
+                        run_batch(pipe, prompts, b, kw, drafter, args.repeats)
                         if engine == "batch" else run_slots(pipe, prompts, b, kw,
                                                             args.repeats))
                     got["steps_per_call"] = pipe.decoder.steps_per_call

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from dspine_benchmarks import hlo_names
-from dspine_benchmarks.decode_step import load_jax_target, pool_pages, with_context
+from dspine_benchmarks.decode_step import load_jax_target, with_context
 from dspine_benchmarks.spec_step import add_step_args, make_decoder, sampling_options
 
 
@@ -78,19 +78,19 @@ def top_table(rows: list[dict]) -> str:
 
 
 def profile(method: str, model, config, args, trace_dir: Path) -> dict:
+    from dspine_jax.runtime.fixed_batch import FixedBatch
+
     context = args.context or args.prompt_len
     passes = args.calls * args.steps_per_call
     new_tokens = context - args.prompt_len + 4 * (args.calls + 2) * args.steps_per_call
-    num_pages = pool_pages(args.batch, args.prompt_len + new_tokens + args.block_size,
-                           args.page_size)
-    decoder, _ = make_decoder(method, model, config, args, args.attention_backend, num_pages,
+    decoder, _ = make_decoder(method, model, config, args, args.attention_backend,
                               proposal=args.proposal)
     hlo = trace_dir / "hlo"
     earlier = hlo_names.dumped_modules(hlo, "decode")
     prompts = np.random.default_rng(0).integers(0, config.vocab_size,
                                                 size=(args.batch, args.prompt_len)).tolist()
-    run = decoder.prepare(prompts, max_new_tokens=new_tokens, ignore_eos=True,
-                          **sampling_options(args, args.temperature))
+    run = FixedBatch(decoder, prompts, max_new_tokens=new_tokens, ignore_eos=True,
+                     **sampling_options(args, args.temperature))
     state = run.decode(with_context(run.prefill(), context))  # compiled and warm
     jax.block_until_ready(state)
     folder = trace_dir / method

@@ -44,7 +44,7 @@ import jax
 import numpy as np
 
 from dspine_benchmarks.decode_step import (jax_copy_bandwidth, load_jax_target, median_time,
-                                           pool_pages, step_bytes, with_context)
+                                           step_bytes, with_context)
 
 
 def add_step_args(p: argparse.ArgumentParser, *, sweep: bool,
@@ -102,14 +102,14 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def make_decoder(method, model, config, args, backend, num_pages, proposal="sparse"):
+def make_decoder(method, model, config, args, backend, proposal="sparse"):
     from dspine_jax.drafters.config import DrafterConfig
     from dspine_jax.drafters.model import BlockDrafter
     from dspine_jax.engine import SpeculativeEngine
     from dspine_jax.generate import AutoregressiveGenerator
 
     options = dict(steps_per_call=args.steps_per_call, attention_backend=backend,
-                   page_size=args.page_size, num_pages=num_pages)
+                   page_size=args.page_size)
     if method == "ar":
         return AutoregressiveGenerator(model, **options), 0
     dconfig = DrafterConfig.for_target(config, kind=method, num_layers=args.draft_layers,
@@ -173,17 +173,18 @@ def stage_times(decoder, run, b, context, args, temperature=0.0, iterations: int
 
 def prepare_cell(method, b, context, backend, model, config, args, proposal="sparse",
                  temperature=0.0):
-    """The engine of one cell and its compiled prefill and decode loop (no timing)."""
+    """The engine of one cell and its compiled prefill and decode call (no timing)."""
+    from dspine_jax.runtime.fixed_batch import FixedBatch
+
     # Untrained drafters keep ~1 token per pass: 4 per pass of budget is ample, and keeps
     # the cache capacity (which dense attention reads in full) the same as AR's.
     new_tokens = context - args.prompt_len + 4 * (args.calls + 2) * args.steps_per_call
-    num_pages = pool_pages(b, args.prompt_len + new_tokens + args.block_size, args.page_size)
-    decoder, drafter_params = make_decoder(method, model, config, args, backend, num_pages,
+    decoder, drafter_params = make_decoder(method, model, config, args, backend,
                                            proposal)
     prompts = np.random.default_rng(0).integers(0, config.vocab_size,
                                                 size=(b, args.prompt_len)).tolist()
-    run = decoder.prepare(prompts, max_new_tokens=new_tokens, ignore_eos=True,
-                          **sampling_options(args, temperature))
+    run = FixedBatch(decoder, prompts, max_new_tokens=new_tokens, ignore_eos=True,
+                     **sampling_options(args, temperature))
     for width in (args.verify_width or []) if method != "ar" else []:
         jax.block_until_ready(run.decode(run.prefill(), width))    # compiles that width
     return decoder, drafter_params, run

@@ -24,7 +24,6 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=N
                   help="DSpine-JAX: speculative decoding with DSpine and DFlash drafters.")
 
 
-ENGINES = ("batch", "slots")   # generate: static batches, or continuous batching over slots
 
 
 def _print_version(value: bool) -> None:
@@ -64,11 +63,6 @@ def generate(
     seed: int = options.seed(),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Run to --max-new-tokens."),
     batch_size: int = options.batch_size(),
-    engine: str = typer.Option(
-        "batch", "--engine", metavar="batch|slots",
-        help="batch: static batches of --batch-size prompts, each until its longest row is "
-             "done; slots: continuous batching over --batch-size slots, a finished row's "
-             "slot taking the next prompt at once (prompt i samples from --seed + i)."),
     dtype: str = options.dtype(),
     attention_backend: str = options.attention_backend(),
     proposal: str = options.proposal(),
@@ -85,8 +79,6 @@ def generate(
 
         # Everything checkable is checked before Pipeline.load: loading takes seconds.
         validate_sampling(temperature, top_p, top_k)
-        if engine not in ENGINES:
-            raise InputError(f"--engine must be one of {', '.join(ENGINES)}; got {engine!r}")
         if (prompt is None) == (prompts_file is None):
             raise InputError("give exactly one of --prompt and --prompts-file")
         if prompt is not None and not prompt.strip():
@@ -101,13 +93,8 @@ def generate(
                                                                     max_verify_width))
         sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                         top_k=top_k, seed=seed, ignore_eos=ignore_eos)
-        if as_json or len(prompts) > 1 or engine == "slots":
-            if engine == "slots":
-                from dspine_jax.runtime.offline import generate as generate_in_slots
-
-                results = generate_in_slots(pipe, prompts, slots=batch_size, **sampling)
-            else:
-                results = pipe.generate(prompts, batch_size=batch_size, **sampling)
+        if as_json or len(prompts) > 1:
+            results = pipe.generate(prompts, batch_size=batch_size, **sampling)
             for result in results:
                 print(json.dumps({**result.to_json(pipe.method),
                                   "runtime": pipe.runtime.to_json()})
@@ -392,17 +379,13 @@ def data_regenerate(
     top_p: float = typer.Option(1.0, "--top-p"),
     seed: int = options.seed(),
     batch_size: int = typer.Option(32, "--batch-size", min=1, metavar="B",
-                                   help="Rows of a batch (--engine batch) or slots (--engine "
-                                        "slots)."),
+                                   help="Slots: responses decoded at once."),
     shard_size: int = typer.Option(256, "--shard-size", min=1,
                                    help="Prompts per shard (with all their responses)."),
     dtype: str = options.dtype(),
-    engine: str = typer.Option("batch", help="batch: full batches (--batch-size rows) of one "
-                               "temperature until their longest row ends; slots: continuous "
-                               "batching over --batch-size slots, a seed per response."),
     num_pages: Optional[int] = options.num_pages(
         "--batch-size x the pages of --max-prompt-tokens + --max-new-tokens, so no response "
-        "is ever preempted. --engine slots only; it changes the speed, not the data."),
+        "is ever preempted. It changes the speed, not the data."),
     max_seconds: Optional[float] = typer.Option(
         None, "--max-seconds", min=0, metavar="S",
         help="Stop once a shard lands S seconds after the start (loading and compiling "
@@ -424,8 +407,8 @@ def data_regenerate(
                               max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
                               temperatures=temps, samples_per_prompt=samples_per_prompt,
                               top_p=top_p, seed=seed, batch_size=batch_size,
-                              shard_size=shard_size, dtype=dtype, engine=engine,
-                              num_pages=num_pages, max_seconds=max_seconds)
+                              shard_size=shard_size, dtype=dtype, num_pages=num_pages,
+                              max_seconds=max_seconds)
     except DSpineError as e:
         _fail(e)
     shards = [s for s in manifest["shards"] if s["file"]]

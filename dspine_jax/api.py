@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from dspine_jax.checkpoints import LoadedTarget, load_target, resolve_dtype
-from dspine_jax.decoding import BatchDecoder, mean_accept_length
+from dspine_jax.decoding import BatchDecoder, BatchResult, Generation, mean_accept_length
 from dspine_jax.drafters import (DEFAULT_PROPOSAL, DEFAULT_PROPOSAL_KERNEL, PROPOSAL_KERNELS,
                                  PROPOSALS)
 from dspine_jax.errors import CheckpointError, ConfigError, InputError
 from dspine_jax.registry import BUILTIN_DRAFTERS, DEFAULT_TARGET, resolve_drafter
 from dspine_jax.runtime.config import RuntimeConfig
+from dspine_jax.runtime.offline import generate_tokens, stream_tokens
 from dspine_jax.sampling import validate_sampling
 from dspine_jax.speculative.policy import SpeculationConfig
 
@@ -152,9 +153,9 @@ class Result:
     prompt_tokens: int
     finish_reason: str
     accept_lengths: list[int]
-    seconds: float           # the batch's wall time (prefill + decode); slots: the run's
+    seconds: float           # the run's decoding wall time (all its prompts)
     compile_seconds: float
-    batch_size: int          # rows of the batch, or slots
+    batch_size: int          # slots: prompts decoded at once
     verify_widths: dict[int, int] = dataclasses.field(default_factory=dict)  # width: passes
 
     @property
@@ -287,26 +288,17 @@ class Pipeline:
                  max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int = 0, ignore_eos: bool = False,
                  batch_size: int = 8) -> list[Result]:
-        """Decode prompts in batches of `batch_size`; results keep the input order.
-        `chat` overrides every prompt's own flag when given. (Continuous batching over
-        slots instead: `dspine_jax.runtime.offline.generate`.)"""
+        """Decode prompts through `batch_size` slots of continuous batching (a finished
+        response's slot takes the next prompt at once); results keep the input order,
+        prompt i samples from seed + i, and `seconds` is the whole run's. `chat`
+        overrides every prompt's own flag when given."""
         validate_sampling(temperature, top_p, top_k)
         prompts = as_prompts(prompts, chat)
-        results = []
-        for start in range(0, len(prompts), batch_size):
-            chunk = prompts[start:start + batch_size]
-            batch = self.decoder.generate(
-                [self.encode(p) for p in chunk], max_new_tokens=max_new_tokens,
-                temperature=temperature, top_p=top_p, top_k=top_k, seed=seed + start,
-                ignore_eos=ignore_eos)
-            for g in batch.generations:
-                results.append(Result(
-                    text=self.tokenizer.decode(g.tokens), tokens=g.tokens,
-                    prompt_tokens=g.prompt_tokens, finish_reason=g.finish_reason,
-                    accept_lengths=g.accept_lengths, seconds=batch.seconds,
-                    compile_seconds=batch.compile_seconds, batch_size=len(chunk),
-                    verify_widths=g.verify_widths))
-        return results
+        batch = generate_tokens(self.decoder, [self.encode(p) for p in prompts],
+                                max_new_tokens=max_new_tokens, temperature=temperature,
+                                top_p=top_p, top_k=top_k, seed=seed, ignore_eos=ignore_eos,
+                                max_slots=batch_size)
+        return [self._result(g, batch, batch_size) for g in batch.generations]
 
     def stream(self, prompt: Prompt | str, *, chat: bool = False, **options) -> Iterator[str]:
         """Yield text as it is decoded (incomplete UTF-8 is held back); returns the Result."""
@@ -314,7 +306,7 @@ class Pipeline:
         validate_sampling(options.get("temperature", 0.0), options.get("top_p", 1.0),
                           options.get("top_k", 0))
         ids, printed = [], 0
-        events = self.decoder.stream([self.encode(prompt)], **options)
+        events = stream_tokens(self.decoder, [self.encode(prompt)], **options)
         while True:
             try:
                 _, new = next(events)
@@ -329,8 +321,11 @@ class Pipeline:
         text = self.tokenizer.decode(ids)
         if len(text) > printed:
             yield text[printed:]
-        g = batch.generations[0]
-        return Result(text=text, tokens=g.tokens, prompt_tokens=g.prompt_tokens,
-                      finish_reason=g.finish_reason, accept_lengths=g.accept_lengths,
-                      seconds=batch.seconds, compile_seconds=batch.compile_seconds,
-                      batch_size=1, verify_widths=g.verify_widths)
+        return self._result(batch.generations[0], batch, 1)
+
+    def _result(self, g: Generation, batch: BatchResult, batch_size: int) -> Result:
+        return Result(text=self.tokenizer.decode(g.tokens), tokens=g.tokens,
+                      prompt_tokens=g.prompt_tokens, finish_reason=g.finish_reason,
+                      accept_lengths=g.accept_lengths, seconds=batch.seconds,
+                      compile_seconds=batch.compile_seconds, batch_size=batch_size,
+                      verify_widths=g.verify_widths)

@@ -43,7 +43,8 @@ def seed():
 
 def batch_size():
     return typer.Option(8, "--batch-size", min=1, metavar="B",
-                        help="Prompts decoded together.")
+                        help="Prompts decoded together: slots of continuous batching, a "
+                             "finished response's slot taking the next prompt at once.")
 
 
 def dtype():

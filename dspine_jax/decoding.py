@@ -1,10 +1,9 @@
-"""What every decoder shares: request checks, shape buckets, ahead-of-time compilation,
-the device-side step loop, token emission (EOS, budget) and the host streaming loop.
+"""What every decoder shares: the device-side step loop, token emission (EOS, budget)
+and the step API the engine core drives (`dspine_jax.runtime`).
 
 A decoder defines three things: the caches it needs, a `prefill` that writes a chunk of
 tokens into them and returns the logits after each row's last one, and one `step` (one
-target pass) that proposes tokens for `emit`. Around them sits the step API that both
-front ends drive, offline `generate`/`stream` here and the serving engine core:
+target pass) that proposes tokens for `emit`. Around them sits the step API:
 
   prefill(params, tokens, q_lens, caches)   a chunk [B, T] after what the caches hold
   start(state, rows, logits, ...)           rows begin decoding: the first token sampled
@@ -17,27 +16,17 @@ Randomness is per row: `DecodeState.rng` holds one key per row, and a row's step
 from its key folded with its token count (`step_keys`), so its samples depend on its own
 seed and progress only, never on its neighbours, its row index or a preemption.
 
-Caches are paged: every model's cache shares one page table. Offline batches get a page
-pool each (host bookkeeping in `PagePool`; every row's pages for its prompt, budget and
-the step's extra positions are allocated up front); the serving engine shares one pool
-between its slots and grows rows as they decode. Attention runs on the decoder's
-`attention` backend. Offline, prefill and the step loop are compiled once per shape bucket
-(batch, prompt length and budget rounded up to powers of two), before timing starts, so
-`seconds` never includes compilation. `steps_per_call` steps run per host call, and
-`stream` queues each call before it reads the last one's tokens (`decode_with_news`).
+Caches are paged: every model's cache shares one page table, and the engine core's slots
+share one page pool. Attention runs on the decoder's `attention` backend.
 
-Shape legend: B batch, P padded prompt, T prefill chunk, G rows started, N output buffer,
-E tokens a step may emit, V vocab.
+Shape legend: B batch, T prefill chunk, G rows started, N output buffer, E tokens a step
+may emit, V vocab.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import functools
-import os
-import time
-from typing import Callable, Iterator, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -47,8 +36,8 @@ from flax import nnx, struct
 from dspine_jax import row_keys
 from dspine_jax.attention import AttentionBackend, select_backend
 from dspine_jax.errors import InputError
-from dspine_jax.kv_cache import DEFAULT_PAGE_SIZE, PagePool, pages_needed
-from dspine_jax.sampling import SamplingParams, sample_tokens
+from dspine_jax.kv_cache import DEFAULT_PAGE_SIZE
+from dspine_jax.sampling import sample_tokens
 from dspine_jax.target import TargetModel
 from pallas_kernels.switches import Switches
 
@@ -103,26 +92,13 @@ class Generation:
 
 
 @dataclasses.dataclass
-class PreparedBatch:
-    prefill: Callable[[], DecodeState]
-    # steps_per_call target passes per call, verifying `width` drafts each (None: the
-    # decoder's widest); a width is compiled the first time it is asked for
-    decode: Callable[..., DecodeState]
-    # the same call, also returning News: what the host streams, in buffers of their own
-    decode_with_news: Callable[..., tuple[DecodeState, "News"]]
-    compile_seconds: float
-
-
-# num_generated [B], done [B], output [B, N], num_passes [B], pass_lengths [B, N]
-News = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]
-
-
-@dataclasses.dataclass
 class BatchResult:
     generations: list[Generation]
     seconds: float             # prefill + decode wall time, compilation excluded
     compile_seconds: float
-    prefill_seconds: float = 0.0  # of `seconds`: until the prefill's first tokens are read
+    prefill_seconds: float = 0.0  # of `seconds`: until the first tokens are read
+    steps: int = 0                # engine steps (each: a prefill and/or a decode call)
+    preemptions: int = 0
 
 
 def request_keys(seeds: jax.Array, rows: jax.Array) -> jax.Array:
@@ -172,16 +148,14 @@ class BatchDecoder:
     def __init__(self, target: TargetModel, *, eos_token_ids: Sequence[int] = (),
                  steps_per_call: int = 8, shared_steps_per_call: int | None = None,
                  attention_backend: str | AttentionBackend | None = "auto",
-                 page_size: int = DEFAULT_PAGE_SIZE, num_pages: int | None = None,
+                 page_size: int = DEFAULT_PAGE_SIZE,
                  switches: Switches | None = None):
         """attention_backend: "auto" (pallas where the platform compiles it, else xla),
-        "pallas", "xla" or an AttentionBackend. num_pages: the page pool's size per batch
-        (default: enough for every row at the batch's capacity). switches: the kernel and
-        search variants every program of this decoder is traced with (default: the
-        DSPINE_* variables, read now; `pallas_kernels.switches`). steps_per_call: target
-        passes per decode call (at most, in the slot engine); shared_steps_per_call: the
-        slot engine's passes per call while several rows decode or requests wait (default
-        and at most steps_per_call)."""
+        "pallas", "xla" or an AttentionBackend. switches: the kernel and search variants
+        every program of this decoder is traced with (default: the DSPINE_* variables,
+        read now; `pallas_kernels.switches`). steps_per_call: target passes per decode
+        call (at most); shared_steps_per_call: the engine's passes per call while several
+        rows decode or requests wait (default and at most steps_per_call)."""
         for name, value in (("steps_per_call", steps_per_call),
                             ("shared_steps_per_call", shared_steps_per_call)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
@@ -191,7 +165,6 @@ class BatchDecoder:
         self.config = target.config
         self.dtype = target.dtype
         self.page_size = page_size
-        self.num_pages = num_pages
         self.attention = select_backend(attention_backend, self.attention_configs(target),
                                         dtype=target.dtype, page_size=page_size)
         self.target_graph, self.target_params = nnx.split(target)
@@ -199,8 +172,6 @@ class BatchDecoder:
         self.steps_per_call = steps_per_call
         self.shared_steps_per_call = min(shared_steps_per_call or steps_per_call,
                                          steps_per_call)
-        self._compiled: dict[tuple, Callable] = {}
-        self.compile_clock = 0.0   # seconds spent compiling, all programs
 
     # ----- what a decoder defines --------------------------------------------------------
     def params(self) -> tuple:
@@ -295,203 +266,9 @@ class BatchDecoder:
                                       (jnp.int32(0), state))
         return state
 
-    def decode_with_news(self, params, state: DecodeState, sampling, ignore_eos,
-                         num_steps: int, width: int | None = None) -> tuple[DecodeState, News]:
-        """`decode`, and the News the host streams: output buffers of their own, still
-        readable after the next call has taken `state` (donated)."""
-        state = self.decode(params, state, sampling, ignore_eos, num_steps, width)
-        return state, (state.num_generated, state.done, state.output, state.num_passes,
-                       state.pass_lengths)
-
-    # ----- compiled pieces (offline batches) ----------------------------------------------
-    def _prefill_batch(self, params, tokens, lengths, page_table, sampling, budget, rng,
-                       ignore_eos, num_pages, out_len):
-        # the empty caches are built inside the compiled program: built eagerly, one
-        # dispatch per layer's pool, they cost more host time than the prefill itself
-        caches = self.create_caches(page_table, num_pages)
-        logits, caches = self.prefill(params, tokens, lengths, caches)
-        state = self.empty_state(caches, out_len)
-        rows = jnp.arange(tokens.shape[0], dtype=jnp.int32)
-        return self.start(state, rows, logits, sampling, budget, rng, ignore_eos)
-
-    def _compile(self, key, fn, *args, static=(), donate=()):
-        if key not in self._compiled:
-            t0 = time.perf_counter()
-            jitted = jax.jit(fn, static_argnames=static, donate_argnames=donate)
-            with self.switches.active():
-                self._compiled[key] = jitted.lower(*args).compile()
-            self.compile_clock += time.perf_counter() - t0
-        return self._compiled[key]
-
-    # ----- public API ----------------------------------------------------------------------
-    def check_request(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
-        if not prompts:
-            raise InputError("no prompts given")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        context = self.config.max_position_embeddings
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise InputError(f"prompt {i} is empty after tokenization")
-            if len(p) + max_new_tokens + self.extra_capacity > context:
-                raise InputError(
-                    f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens}"
-                    + (f" and a {self.extra_capacity}-token verify block"
-                       if self.extra_capacity else "")
-                    + f" it needs {len(p) + max_new_tokens + self.extra_capacity} positions, "
-                    f"past the model's context of {context}. Shorten the prompt or lower "
-                    "max_new_tokens.")
-            bad = [t for t in p if not 0 <= t < self.config.vocab_size]
-            if bad:
-                raise InputError(f"prompt {i} has token ids outside the vocabulary "
-                                 f"[0, {self.config.vocab_size}): {bad[:5]}")
-
-    def bucket_shape(self, prompts: Sequence[Sequence[int]],
-                     max_new_tokens: int) -> tuple[int, int, int, int]:
-        """(rows, padded prompt length, output buffer, cache capacity): the shape bucket a
-        request's programs are compiled for (with its sampling's static flags)."""
-        longest = max(len(p) for p in prompts)
-        capacity = min(bucket(longest + max_new_tokens + self.extra_capacity),
-                       self.config.max_position_embeddings)
-        return len(prompts), bucket(longest), bucket(max_new_tokens), capacity
-
-    def prepare(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
-                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                seed: int = 0, ignore_eos: bool = False) -> PreparedBatch:
-        """Check the request, pad it into its shape bucket and compile (once per bucket).
-        Returns the two stages as closures so callers (and benchmarks) can drive them."""
-        self.check_request(prompts, max_new_tokens)
-        b, prompt_len, out_len, capacity = self.bucket_shape(prompts, max_new_tokens)
-        with self.switches.active():                    # the sampling mode reads them
-            sampling = SamplingParams.create(b, temperature, top_p, top_k)
-        page_table, num_pages = self.allocate_pages(prompts, max_new_tokens, capacity)
-        tokens = np.zeros((b, prompt_len), np.int32)
-        for i, p in enumerate(prompts):
-            tokens[i, :len(p)] = p
-        lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
-        budget = jnp.full((b,), max_new_tokens, jnp.int32)
-        rows = jnp.arange(b, dtype=jnp.int32)
-        rng = request_keys(jnp.full((b,), seed % 2 ** 32, jnp.uint32), rows)
-        ignore = jnp.asarray(ignore_eos)
-        params = self.params()
-
-        args = (params, tokens, lengths, page_table, sampling, budget, rng, ignore)
-
-        t0 = time.perf_counter()
-        # greedy batches trace no sampling at all, unfiltered ones no vocabulary threshold
-        shape = (b, capacity, num_pages, out_len, sampling.all_greedy, sampling.all_unfiltered)
-        # the prefill builds the page pools itself: none is allocated until it runs
-        prefill = self._compile(("prefill", prompt_len) + shape, self._prefill_batch,
-                                *args, num_pages, out_len, static=("num_pages", "out_len"))
-        with self.switches.active():
-            state = jax.eval_shape(functools.partial(self._prefill_batch, num_pages=num_pages,
-                                                     out_len=out_len), *args)
-        def decode(width: int | None):
-            """The decode program of one verify width, compiled on first use."""
-            width = self.default_width() if width is None else width
-            return self._compile(("decode", width) + shape, self.decode_with_news, params,
-                                 state, sampling, ignore, self.steps_per_call, width,
-                                 static=("num_steps", "width"), donate=("state",))
-
-        decode(self.default_width())
-        return PreparedBatch(
-            prefill=lambda: prefill(*args),
-            decode=lambda s, width=None: decode(width)(params, s, sampling, ignore)[0],
-            decode_with_news=lambda s, width=None: decode(width)(params, s, sampling, ignore),
-            compile_seconds=time.perf_counter() - t0)
-
     def default_width(self) -> int | None:
         """The width a call runs when none is asked for (None: the decoder has one)."""
         return None
-
-    def allocate_pages(self, prompts, max_new_tokens: int, capacity: int):
-        """Every row's pages for its prompt, budget and extra positions, from one pool.
-        -> (page table [B, PPS] with PPS = capacity / page size, the pool's size)."""
-        width = pages_needed(capacity, self.page_size)
-        pool = PagePool(self.num_pages or len(prompts) * width, self.page_size)
-        for row, p in enumerate(prompts):
-            pool.allocate(row, min(len(p) + max_new_tokens + self.extra_capacity, capacity))
-        return pool.page_table(range(len(prompts)), width), pool.num_pages
-
-    def generate(self, prompts: Sequence[Sequence[int]], *,
-                 on_tokens: Callable[[int, list[int]], None] | None = None,
-                 **options) -> BatchResult:
-        """Generate for a batch of token-id prompts; `on_tokens(row, new_ids)` streams.
-        Options: max_new_tokens, temperature, top_p, top_k, seed, ignore_eos."""
-        events = self.stream(prompts, **options)
-        while True:
-            try:
-                row, ids = next(events)
-            except StopIteration as finished:
-                return finished.value
-            if on_tokens is not None:
-                on_tokens(row, ids)
-
-    def stream(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
-               temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-               ignore_eos: bool = False) -> Iterator[tuple[int, list[int]]]:
-        """Yield (row, new token ids) as they arrive; the generator returns the BatchResult."""
-        run = self.prepare(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                           top_p=top_p, top_k=top_k, seed=seed, ignore_eos=ignore_eos)
-        b = len(prompts)
-        widths = WidthChooser(self.speculation_policy(), b, self.default_width())
-        compiled_before = self.compile_clock
-        t0 = time.perf_counter()
-        state = run.prefill()
-        num, done, output = jax.device_get((state.num_generated, state.done, state.output))
-        prefill_seconds = time.perf_counter() - t0
-        emitted = [0] * b
-
-        def stream_news():
-            nonlocal emitted
-            for row in range(b):
-                if num[row] > emitted[row]:
-                    yield row, output[row, emitted[row]:num[row]].tolist()
-            emitted = num.tolist()
-
-        yield from stream_news()
-        if not done.all():
-            # One call ahead of the host: the next call is queued before the host reads and
-            # streams the last one's news, so the device does not idle while the host
-            # syncs, streams and dispatches (about 2 ms a call on an H200's host). The call
-            # queued after every row is done runs no step. Its verify width is chosen from
-            # what the calls read so far (one call behind).
-            # DSPINE_STREAM_AHEAD=0 reads each call before queuing the next (before/after).
-            ahead = os.environ.get("DSPINE_STREAM_AHEAD", "1") != "0"
-
-            def dispatch(state):
-                width = widths.choose(done)
-                call = run.decode_with_news(state, width)
-                widths.dispatched(width, self.compile_clock)
-                return call
-
-            state, news = dispatch(state)
-            while True:
-                following = dispatch(state) if ahead else None
-                num, done, output, passes, lengths = jax.device_get(news)
-                widths.read(passes, lengths, done, self.compile_clock)
-                yield from stream_news()
-                if done.all():
-                    state = following[0] if following else state  # `state` went to it
-                    break
-                state, news = following or dispatch(state)
-        lazy_compile = self.compile_clock - compiled_before     # widths first run mid-stream
-        seconds = time.perf_counter() - t0 - lazy_compile
-        self.finished_batch()
-        passes, lengths = jax.device_get((state.num_passes, state.pass_lengths))
-
-        eos = set(np.asarray(self.eos).tolist())
-        generations = []
-        for row in range(b):
-            ids = output[row, :num[row]].tolist()
-            reason = "stop" if ids and ids[-1] in eos and not ignore_eos else "length"
-            generations.append(Generation(tokens=ids, prompt_tokens=len(prompts[row]),
-                                          finish_reason=reason,
-                                          accept_lengths=lengths[row, :passes[row]].tolist(),
-                                          verify_widths=widths.row_widths(row)))
-        return BatchResult(generations=generations, seconds=seconds,
-                           compile_seconds=run.compile_seconds + lazy_compile,
-                           prefill_seconds=prefill_seconds)
 
     def speculation_policy(self):
         """The `SpeculationPolicy` choosing verify widths, or None (one width only)."""
@@ -499,52 +276,3 @@ class BatchDecoder:
 
     def finished_batch(self) -> None:
         """A batch's stream ended (the speculative engine saves what its policy measured)."""
-
-
-class WidthChooser:
-    """One static batch's verify widths: asks the policy before each call and feeds it
-    each call's wall time and acceptance once read. Calls are queued one ahead, so a call's
-    time is taken from the previous read to its own; a call during which a program was
-    compiled is not timed."""
-
-    def __init__(self, policy, rows: int, default: int | None):
-        self.policy, self.rows, self.default = policy, rows, default
-        self.stats = [policy.new_row() for _ in range(rows)] if policy else []
-        self.queue: list[int | None] = []         # widths of calls dispatched, not yet read
-        self.passes = np.zeros(rows, np.int64)    # passes each row had at the last read
-        self.per_row = [collections.Counter() for _ in range(rows)]
-        self.last_read = None
-        self.compiled_at_read = 0.0
-
-    def choose(self, done) -> int | None:
-        if self.policy is None:
-            return self.default
-        return self.policy.choose(self.rows, [s for s, d in zip(self.stats, done) if not d])
-
-    def dispatched(self, width, compile_clock: float) -> None:
-        """A call of `width` was queued (behind the ones not yet read)."""
-        self.queue.append(width)
-        if self.last_read is None:
-            self.last_read, self.compiled_at_read = time.perf_counter(), compile_clock
-
-    def read(self, passes, lengths, done, compile_clock: float) -> None:
-        now = time.perf_counter()
-        width = self.queue.pop(0)
-        ran = passes - self.passes
-        for row in np.nonzero(ran)[0]:
-            self.per_row[row][width] += int(ran[row])
-            if self.policy is not None:
-                # a finished row's last pass may be cut by EOS or the budget: not counted
-                last = passes[row] - (1 if done[row] else 0)
-                for p in range(self.passes[row], last):
-                    self.policy.observe_pass(self.stats[row], width,
-                                             min(int(lengths[row, p]) - 1, width))
-        if self.policy is not None and compile_clock == self.compiled_at_read:
-            self.policy.observe_call(self.rows, width, now - self.last_read, int(ran.max()))
-        self.passes = np.asarray(passes, np.int64).copy()
-        self.last_read, self.compiled_at_read = now, compile_clock
-
-    def row_widths(self, row: int) -> dict[int, int]:
-        """{verify width: passes} of one row (AR: {0: passes}); {} before any pass."""
-        return {(0 if w is None else w): n for w, n in sorted(
-            self.per_row[row].items(), key=lambda kv: -1 if kv[0] is None else kv[0])}

@@ -54,7 +54,7 @@ class SpeculativeEngine(BatchDecoder):
                  proposal_kernel: str = DEFAULT_PROPOSAL_KERNEL,
                  speculation: SpeculationConfig = SpeculationConfig("fixed"), **options):
         """options: BatchDecoder's (shared_steps_per_call, attention_backend, page_size,
-        num_pages).
+        switches).
         proposal_impl: "sparse" (q and p only where needed, no [K, V] warp) or "dense"
         (the original [B, K, V] p and q, kept for comparison). proposal_kernel: the
         `vocab_top_k` implementation of DSpine's sparse proposal ("xla", "auto", "pallas",

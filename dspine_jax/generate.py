@@ -5,12 +5,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from dspine_jax.attention import AttentionMetadata
-from dspine_jax.decoding import (BatchDecoder, BatchResult, DecodeState, Generation,
-                                 PreparedBatch, bucket, emit, step_keys)
+from dspine_jax.decoding import BatchDecoder, DecodeState, emit, step_keys
 from dspine_jax.kv_cache import PagedKVCache
 from dspine_jax.sampling import sample_tokens
 
-__all__ = ["AutoregressiveGenerator", "BatchResult", "Generation", "PreparedBatch", "bucket"]
+__all__ = ["AutoregressiveGenerator"]
 
 
 class AutoregressiveGenerator(BatchDecoder):

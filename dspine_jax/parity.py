@@ -30,6 +30,7 @@ import numpy as np
 
 from dspine_jax.drafters.model import BlockDrafter
 from dspine_jax.engine import SpeculativeEngine
+from dspine_jax.runtime.offline import generate_tokens
 from dspine_jax.sampling import SamplingParams, top_k_indices, warp_logits
 from dspine_jax.speculative.propose import propose
 from dspine_jax.target import TargetModel
@@ -104,7 +105,8 @@ def jax_stages(target: TargetModel, drafter: BlockDrafter, prompt: list[int], *,
     matches = np.asarray(proposal.tokens[0]) == np.asarray(jnp.argmax(target_logits[:-1], -1))
     record["num_accepted"] = np.int32(np.cumprod(matches).sum())
     engine = SpeculativeEngine(target, drafter, steps_per_call=4)
-    [gen] = engine.generate([prompt], max_new_tokens=max_new_tokens, ignore_eos=True).generations
+    [gen] = generate_tokens(engine, [prompt], max_new_tokens=max_new_tokens,
+                            ignore_eos=True).generations
     record["tokens"] = np.asarray(gen.tokens, np.int32)
     record["accept_lengths"] = np.asarray(gen.accept_lengths, np.int32)
     return {k: np.asarray(v) for k, v in record.items()}

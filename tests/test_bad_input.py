@@ -11,6 +11,7 @@ import pytest
 from dspine_jax.checkpoints import load_target
 from dspine_jax.errors import CheckpointError, ConfigError, InputError
 from dspine_jax.generate import AutoregressiveGenerator
+from dspine_jax.runtime.offline import generate_tokens
 from tests.conftest import save_hf_model
 
 
@@ -114,12 +115,13 @@ def test_prompt_past_the_context(qwen_dir):
     model = load_target(qwen_dir, with_tokenizer=False).model  # context 256
     gen = AutoregressiveGenerator(model)
     with pytest.raises(InputError,
-                       match="prompt 0 has 250 tokens.*past the model's context of 256"):
-        gen.generate([[1] * 250], max_new_tokens=10)
+                       match="prompt 0: the prompt has 250 tokens.*past the engine's "
+                             "context of 256 \\(the model's\\)"):
+        generate_tokens(gen, [[1] * 250], max_new_tokens=10)
     with pytest.raises(InputError, match="outside the vocabulary"):
-        gen.generate([[1, 500]], max_new_tokens=2)
+        generate_tokens(gen, [[1, 500]], max_new_tokens=2)
     with pytest.raises(InputError, match="empty"):
-        gen.generate([[]], max_new_tokens=2)
+        generate_tokens(gen, [[]], max_new_tokens=2)
 
 
 def test_cli_reports_errors_without_traceback(tmp_path):

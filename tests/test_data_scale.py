@@ -15,6 +15,7 @@ from dspine_jax.data.shards import (Sequence, load_dataset, read_manifest, read_
                                     token_dtype, write_manifest, write_shard)
 from dspine_jax.errors import InputError
 from dspine_jax.kv_cache import pages_needed
+from dspine_jax.runtime.offline import generate_tokens
 from pallas_kernels.switches import Switches
 from tests.conftest import save_hf_model, write_tiny_tokenizer
 
@@ -168,7 +169,7 @@ def test_temperatures_samples_resume_and_refusal(tiny, tmp_path, monkeypatch):
         ids = fit_chat(tok, prompts[i]["messages"], 80)[0]
         assert ids == tok.encode_chat(prompts[i]["messages"][2 * i:])
         greedy, hot1, hot2 = sequences[3 * i:3 * i + 3]
-        want = pipe.decoder.generate([ids], max_new_tokens=12).generations[0].tokens
+        want = generate_tokens(pipe.decoder, [ids], max_new_tokens=12).generations[0].tokens
         assert greedy.tokens.tolist() == ids + want
         assert hot1.tokens[:len(ids)].tolist() == hot2.tokens[:len(ids)].tolist() == ids
         assert hot1.tokens.tolist() != hot2.tokens.tolist()  # two samples, not one twice
@@ -274,7 +275,7 @@ def test_slot_engine_gives_each_response_its_own_seed(tiny, tmp_path, monkeypatc
     tok = TextTokenizer.from_hf_folder(tiny / "model")
     prompts = jsonl_prompts(tiny / "prompts.jsonl")
     ids = tok.encode_chat(prompts[2]["messages"])
-    want = pipe.decoder.generate([ids], max_new_tokens=12).generations[0].tokens
+    want = generate_tokens(pipe.decoder, [ids], max_new_tokens=12).generations[0].tokens
     assert runs[2][2 * 3] == ids + want
     assert runs[2][2 * 3 + 1] != runs[2][2 * 3 + 2]
     with pytest.raises(InputError, match="other settings \\(engine\\)"):

@@ -21,6 +21,8 @@ from dspine_jax.sampling import SamplingParams, target_probabilities
 from dspine_jax.speculative.propose import Proposal
 from dspine_jax.speculative.verify import verify
 from dspine_jax.target import TargetModel
+from dspine_jax.runtime.fixed_batch import FixedBatch
+from dspine_jax.runtime.offline import generate_tokens
 
 TARGET = TargetConfig(family="llama", vocab_size=61, hidden_size=48, intermediate_size=64,
                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -61,8 +63,8 @@ def test_greedy_equals_autoregressive(kind, batch):
     engine = SpeculativeEngine(target, drafter, eos_token_ids=[0], steps_per_call=3)
     for start in range(0, len(PROMPTS), batch):
         prompts = PROMPTS[start:start + batch]
-        want = ar.generate(prompts, max_new_tokens=24).generations
-        got = engine.generate(prompts, max_new_tokens=24).generations
+        want = generate_tokens(ar, prompts, max_new_tokens=24).generations
+        got = generate_tokens(engine, prompts, max_new_tokens=24).generations
         for w, g in zip(want, got):
             assert g.tokens == w.tokens and g.finish_reason == w.finish_reason
             assert sum(g.accept_lengths) == len(g.tokens) - 1  # prefill emits the first
@@ -71,25 +73,25 @@ def test_greedy_equals_autoregressive(kind, batch):
 def test_batch_result_splits_prefill_from_decode_time():
     target, drafter = build(kind="dspine")
     engine = SpeculativeEngine(target, drafter, eos_token_ids=[0], steps_per_call=3)
-    result = engine.generate(PROMPTS[:2], max_new_tokens=24, ignore_eos=True)
+    result = generate_tokens(engine, PROMPTS[:2], max_new_tokens=24, ignore_eos=True)
     assert 0 < result.prefill_seconds < result.seconds
 
 
-@pytest.mark.parametrize("ahead", ["1", "0"])
-def test_streamed_pieces_are_the_generation(ahead, monkeypatch):
-    """The host loop with one call queued ahead (and without it): the streamed pieces of
-    each row join into its tokens, which equal AR greedy, rows that stop early (EOS,
-    budget 1) included; the accept lengths count every pass."""
-    monkeypatch.setenv("DSPINE_STREAM_AHEAD", ahead)
+@pytest.mark.parametrize("slots", [None, 2])
+def test_streamed_pieces_are_the_generation(slots):
+    """Every prompt in a slot of its own, and 5 prompts through 2 slots (a finished row's
+    slot takes the next prompt): the streamed pieces of each prompt join into its tokens,
+    which equal AR greedy, rows that stop early (EOS, budget 1) included; the accept
+    lengths count every pass."""
     target, drafter = build(kind="dspine")
     engine = SpeculativeEngine(target, drafter, eos_token_ids=[0], steps_per_call=2)
     ar = AutoregressiveGenerator(target, eos_token_ids=[0])
     prompts = PROMPTS[:5]
     for budget in (1, 7, 30):
         pieces = {row: [] for row in range(len(prompts))}
-        got = engine.generate(prompts, max_new_tokens=budget,
+        got = generate_tokens(engine, prompts, max_new_tokens=budget, max_slots=slots,
                               on_tokens=lambda row, ids: pieces[row].extend(ids)).generations
-        want = ar.generate(prompts, max_new_tokens=budget).generations
+        want = generate_tokens(ar, prompts, max_new_tokens=budget).generations
         for row, (g, w) in enumerate(zip(got, want)):
             assert pieces[row] == g.tokens == w.tokens
             assert sum(g.accept_lengths) == len(g.tokens) - 1
@@ -117,16 +119,23 @@ class OracleEngine(SpeculativeEngine):
 def test_ragged_acceptance_bookkeeping(wrong):
     target, drafter = build(kind="dflash")
     prompts = PROMPTS[:4]
-    truth = AutoregressiveGenerator(target).generate(prompts, max_new_tokens=64).generations
+    truth = generate_tokens(AutoregressiveGenerator(target), prompts,
+                            max_new_tokens=64).generations
     padded = np.asarray([t.tokens for t in truth])
     engine = OracleEngine(target, drafter, truth=padded, wrong=wrong, steps_per_call=2)
-    got = engine.generate(prompts, max_new_tokens=40).generations
-    for row, g in enumerate(got):
-        assert g.tokens == truth[row].tokens[:40]
+    # a fixed batch: every call decodes every row in prompt order (the oracle's row index)
+    run = FixedBatch(engine, prompts, max_new_tokens=40)
+    state = run.prefill()
+    while not np.asarray(state.done).all():
+        state = run.decode(state)
+    for row in range(len(prompts)):
+        tokens = np.asarray(state.output[row, :int(state.num_generated[row])]).tolist()
+        accepted = np.asarray(state.pass_lengths[row, :int(state.num_passes[row])]).tolist()
+        assert tokens == truth[row].tokens[:40]
         # Wrong at slot w: w drafts kept + the target's correction; 9 >= K-1: all 4 + bonus.
         per_pass = min(wrong[row], 4) + 1
-        assert all(n == per_pass for n in g.accept_lengths[:-1]), g.accept_lengths
-        assert g.accept_lengths[-1] <= per_pass
+        assert all(n == per_pass for n in accepted[:-1]), accepted
+        assert accepted[-1] <= per_pass
 
 
 def test_verify_on_hand_built_blocks():
@@ -158,10 +167,10 @@ def test_emit_cuts_at_eos_and_budget():
 def test_rollback_leaves_no_stale_target_entries():
     """After a pass that rejects drafts, the cache equals one built from the kept tokens."""
     target, drafter = build(kind="dflash")
-    truth = AutoregressiveGenerator(target).generate(PROMPTS[:1], max_new_tokens=32)
+    truth = generate_tokens(AutoregressiveGenerator(target), PROMPTS[:1], max_new_tokens=32)
     padded = np.asarray([truth.generations[0].tokens])
     engine = OracleEngine(target, drafter, truth=padded, wrong=[2], steps_per_call=1)
-    run = engine.prepare(PROMPTS[:1], max_new_tokens=30)
+    run = FixedBatch(engine, PROMPTS[:1], max_new_tokens=30)
     state = run.decode(run.decode(run.prefill()))
     cache = state.caches[0]
     length = int(cache.lengths[0])
@@ -202,8 +211,8 @@ def exact_two_token_distribution(target, prompt, sampling_args):
 
 
 def sample_pairs(engine, prompt, sampling_args, seed):
-    result = engine.generate([prompt] * N_ROWS, max_new_tokens=3, ignore_eos=True, seed=seed,
-                             **sampling_args)
+    result = generate_tokens(engine, [prompt] * N_ROWS, max_new_tokens=3, ignore_eos=True,
+                             seed=seed, **sampling_args)
     pairs = np.asarray([g.tokens[:2] for g in result.generations])
     counts = np.zeros((8, 8))
     np.add.at(counts, (pairs[:, 0], pairs[:, 1]), 1)

@@ -19,6 +19,7 @@ from dspine_jax.sampling import (SamplingParams, sample_categorical, warp_logits
                                  warp_stats, warp_threshold, warped_probability)
 from dspine_jax.speculative.propose import (CandidateProposal, Proposal, sample_marginal)
 from dspine_jax.speculative.verify import verify_logits
+from dspine_jax.runtime.offline import generate_tokens
 from tests.test_sampling import reference_probs
 
 WARPS = [(1.0, 1.0, 0), (0.7, 0.9, 0), (1.3, 1.0, 5), (0.5, 0.5, 10), (1.0, 0.3, 3),
@@ -206,11 +207,11 @@ def test_dense_engine_still_equals_autoregressive_at_t0(kind):
 
     target, drafter = build(kind=kind)
     prompts = PROMPTS[:4]
-    want = AutoregressiveGenerator(target, eos_token_ids=[0]).generate(
+    want = generate_tokens(AutoregressiveGenerator(target, eos_token_ids=[0]),
         prompts, max_new_tokens=16).generations
     engine = SpeculativeEngine(target, drafter, eos_token_ids=[0], steps_per_call=3,
                                proposal_impl="dense")
-    got = engine.generate(prompts, max_new_tokens=16).generations
+    got = generate_tokens(engine, prompts, max_new_tokens=16).generations
     assert [g.tokens for g in got] == [w.tokens for w in want]
 
 

@@ -12,6 +12,8 @@ from dspine_jax.config import TargetConfig
 from dspine_jax.generate import AutoregressiveGenerator
 from dspine_jax.kv_cache import PagedKVCache
 from dspine_jax.target import TargetModel
+from dspine_jax.runtime import slot_steps
+from dspine_jax.runtime.offline import generate_tokens
 
 CONFIG = TargetConfig(family="qwen3", vocab_size=97, hidden_size=64, intermediate_size=96,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -112,9 +114,9 @@ def test_batched_generation_equals_each_row_alone(model):
     gen = AutoregressiveGenerator(model, eos_token_ids=[5])
     rng = np.random.default_rng(4)
     prompts = [rng.integers(6, 97, size=n).tolist() for n in (3, 17, 9, 1)]
-    batch = gen.generate(prompts, max_new_tokens=20)
+    batch = generate_tokens(gen, prompts, max_new_tokens=20)
     for prompt, together in zip(prompts, batch.generations):
-        alone = gen.generate([prompt], max_new_tokens=20).generations[0]
+        alone = generate_tokens(gen, [prompt], max_new_tokens=20).generations[0]
         assert together.tokens == alone.tokens
         assert together.finish_reason == alone.finish_reason
 
@@ -123,7 +125,7 @@ def test_greedy_generation_equals_argmax_recompute(model):
     """Every generated token is the argmax of a full, uncached forward of what came before."""
     gen = AutoregressiveGenerator(model, eos_token_ids=[])
     prompt = [1, 2, 3, 4]
-    out = gen.generate([prompt], max_new_tokens=25).generations[0]
+    out = generate_tokens(gen, [prompt], max_new_tokens=25).generations[0]
     assert len(out.tokens) == 25 and out.finish_reason == "length"
     seq = list(prompt)
     for token in out.tokens:
@@ -133,34 +135,37 @@ def test_greedy_generation_equals_argmax_recompute(model):
 
 def test_eos_stops_a_row_and_ignore_eos_does_not(model):
     gen = AutoregressiveGenerator(model, eos_token_ids=[])
-    free = gen.generate([[1, 2, 3]], max_new_tokens=12).generations[0].tokens
+    free = generate_tokens(gen, [[1, 2, 3]], max_new_tokens=12).generations[0].tokens
     eos = free[4]
     stopper = AutoregressiveGenerator(model, eos_token_ids=[eos])
-    stopped = stopper.generate([[1, 2, 3]], max_new_tokens=12).generations[0]
+    stopped = generate_tokens(stopper, [[1, 2, 3]], max_new_tokens=12).generations[0]
     first = free.index(eos)
     assert stopped.tokens == free[:first + 1] and stopped.finish_reason == "stop"
-    ignored = stopper.generate([[1, 2, 3]], max_new_tokens=12, ignore_eos=True).generations[0]
+    ignored = generate_tokens(stopper, [[1, 2, 3]], max_new_tokens=12,
+                              ignore_eos=True).generations[0]
     assert ignored.tokens == free and ignored.finish_reason == "length"
 
 
 def test_decoding_does_not_recompile(model):
-    """Requests in one shape bucket reuse the compiled prefill and decode: one pair per
-    sampling mode (greedy; sampled without top-p/top-k; filtered)."""
+    """Requests in one shape bucket reuse the compiled prefill and decode: one prefill
+    (it traces the general sampler) and one decode per sampling mode (greedy; sampled
+    without top-p/top-k; filtered)."""
     gen = AutoregressiveGenerator(model, eos_token_ids=[])
-    gen.generate([[1, 2, 3]], max_new_tokens=20)
-    gen.generate([[4, 5, 6, 7, 8]], max_new_tokens=25)
-    assert len(gen._compiled) == 2
-    gen.generate([[4, 5, 6, 7, 8]], max_new_tokens=25, temperature=0.7, seed=3)
-    gen.generate([[9, 9]], max_new_tokens=17, temperature=1.0, seed=5)
-    assert len(gen._compiled) == 4
-    gen.generate([[9, 9]], max_new_tokens=17, temperature=1.0, top_p=0.5, seed=4)
-    gen.generate([[1, 2, 3]], max_new_tokens=20, temperature=0.9, top_k=5, seed=6)
-    assert len(gen._compiled) == 6
+    compiled = slot_steps.compiled(gen)
+    generate_tokens(gen, [[1, 2, 3]], max_new_tokens=20)
+    generate_tokens(gen, [[4, 5, 6, 7, 8]], max_new_tokens=25)
+    assert compiled.compiles == 2
+    generate_tokens(gen, [[4, 5, 6, 7, 8]], max_new_tokens=25, temperature=0.7, seed=3)
+    generate_tokens(gen, [[9, 9]], max_new_tokens=17, temperature=1.0, seed=5)
+    assert compiled.compiles == 3
+    generate_tokens(gen, [[9, 9]], max_new_tokens=17, temperature=1.0, top_p=0.5, seed=4)
+    generate_tokens(gen, [[1, 2, 3]], max_new_tokens=20, temperature=0.9, top_k=5, seed=6)
+    assert compiled.compiles == 4
 
 
 def test_sampled_generation_is_seeded(model):
     gen = AutoregressiveGenerator(model, eos_token_ids=[])
-    a = gen.generate([[1, 2]], max_new_tokens=16, temperature=1.0, seed=7).generations[0]
-    b = gen.generate([[1, 2]], max_new_tokens=16, temperature=1.0, seed=7).generations[0]
-    c = gen.generate([[1, 2]], max_new_tokens=16, temperature=1.0, seed=8).generations[0]
+    a = generate_tokens(gen, [[1, 2]], max_new_tokens=16, temperature=1.0, seed=7).generations[0]
+    b = generate_tokens(gen, [[1, 2]], max_new_tokens=16, temperature=1.0, seed=7).generations[0]
+    c = generate_tokens(gen, [[1, 2]], max_new_tokens=16, temperature=1.0, seed=8).generations[0]
     assert a.tokens == b.tokens and a.tokens != c.tokens

@@ -27,6 +27,7 @@ from dspine_jax.errors import ConfigError
 from dspine_jax.generate import AutoregressiveGenerator
 from dspine_jax.kv_cache import OutOfPagesError, PagedKVCache, PagePool
 from dspine_jax.target import TargetModel
+from dspine_jax.runtime.offline import generate_tokens
 
 CONFIG = TargetConfig(family="qwen3", vocab_size=61, hidden_size=64, intermediate_size=64,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -72,12 +73,6 @@ def test_running_out_of_pages_names_the_pool_size():
     with pytest.raises(OutOfPagesError, match="pool's 3 pages"):
         pool.allocate(1, 17)
     assert pool.pages(1) == [] and pool.num_free == 0  # a failed allocation takes nothing
-
-
-def test_an_engine_whose_pool_is_too_small_fails_before_decoding(target):
-    gen = AutoregressiveGenerator(target, attention_backend="xla", num_pages=2)
-    with pytest.raises(OutOfPagesError, match="pool's 2 pages"):
-        gen.generate([[1, 2, 3], [4, 5]], max_new_tokens=20)
 
 
 # ----- backends against a dense uncached forward ------------------------------------------------
@@ -186,12 +181,13 @@ def make_drafter(target, kind):
 
 @pytest.mark.parametrize("kind", ["dflash", "dspine"])
 def test_greedy_speculative_on_pallas_equals_autoregressive(target, kind):
-    want = AutoregressiveGenerator(target, eos_token_ids=[0], attention_backend="xla").generate(
-        PROMPTS, max_new_tokens=24).generations
+    want = generate_tokens(AutoregressiveGenerator(target, eos_token_ids=[0],
+                                                   attention_backend="xla"),
+                           PROMPTS, max_new_tokens=24).generations
     engine = SpeculativeEngine(target, make_drafter(target, kind), eos_token_ids=[0],
                                steps_per_call=3, attention_backend="pallas")
     assert isinstance(engine.attention, PallasBackend)
-    got = engine.generate(PROMPTS, max_new_tokens=24).generations
+    got = generate_tokens(engine, PROMPTS, max_new_tokens=24).generations
     for w, g in zip(want, got):
         assert g.tokens == w.tokens and g.finish_reason == w.finish_reason
         assert sum(g.accept_lengths) == len(g.tokens) - 1
@@ -201,8 +197,8 @@ def test_sampled_speculative_on_pallas_equals_xla(target):
     """Seeded sampling draws the same tokens on both backends, so the chi-square tests of
     test_engine.py (run on xla: 12000 rows are too many for interpret mode) cover pallas."""
     drafter = make_drafter(target, "dspine")
-    runs = [SpeculativeEngine(target, drafter, eos_token_ids=[], steps_per_call=4,
-                              attention_backend=name).generate(
+    runs = [generate_tokens(SpeculativeEngine(target, drafter, eos_token_ids=[], steps_per_call=4,
+                              attention_backend=name),
         PROMPTS[:2], max_new_tokens=16, temperature=1.0, seed=5).generations
         for name in ("xla", "pallas")]
     assert [g.tokens for g in runs[0]] == [g.tokens for g in runs[1]]
@@ -211,9 +207,9 @@ def test_sampled_speculative_on_pallas_equals_xla(target):
 
 def test_autoregressive_on_pallas_equals_xla(target):
     kw = dict(eos_token_ids=[], steps_per_call=8)
-    want = AutoregressiveGenerator(target, attention_backend="xla", **kw).generate(
+    want = generate_tokens(AutoregressiveGenerator(target, attention_backend="xla", **kw),
         PROMPTS, max_new_tokens=20).generations
-    got = AutoregressiveGenerator(target, attention_backend="pallas", **kw).generate(
+    got = generate_tokens(AutoregressiveGenerator(target, attention_backend="pallas", **kw),
         PROMPTS, max_new_tokens=20).generations
     assert [g.tokens for g in got] == [w.tokens for w in want]
 

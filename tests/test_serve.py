@@ -35,6 +35,7 @@ from dspine_jax.errors import InputError  # noqa: E402
 from dspine_jax.speculative.policy import SpeculationConfig  # noqa: E402
 from dspine_serve.detokenizer import IncrementalDetokenizer  # noqa: E402
 from dspine_jax.runtime.engine_core import EngineCore, SamplingOptions  # noqa: E402
+from dspine_jax.runtime.offline import generate_tokens  # noqa: E402
 from dspine_serve.server import DrainingServer, build  # noqa: E402
 from pallas_kernels.switches import Switches  # noqa: E402
 
@@ -228,7 +229,7 @@ def test_decode_calls_are_compiled_per_sampling_mode(pipe, monkeypatch):
     spy = core._sampling_mode
     monkeypatch.setattr(core, "_sampling_mode", lambda m: modes.append(spy(m)) or modes[-1])
     ids = pipe.encode(PLAIN[2])
-    offline = pipe.decoder.generate([ids], max_new_tokens=12, temperature=1.0, seed=7,
+    offline = generate_tokens(pipe.decoder, [ids], max_new_tokens=12, temperature=1.0, seed=7,
                                     ignore_eos=True).generations[0].tokens
     plain = SamplingOptions(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
     core.add_request("plain", ids, plain)
@@ -271,7 +272,7 @@ def test_admission_waits_for_pages_not_only_slots(pipe, ar):
     stats = core.stats()
     assert stats.running < 4 and stats.waiting > 0 and stats.free_slots > 0, stats
     got = drain(core, first)
-    reference = ar.decoder.generate(prompts, max_new_tokens=16).generations
+    reference = generate_tokens(ar.decoder, prompts, max_new_tokens=16).generations
     for i, ref in enumerate(reference):
         assert got[f"r{i}"][0] == ref.tokens, i
     stats = core.stats()
@@ -302,7 +303,7 @@ def test_chunked_prefill_equals_offline_and_interleaves_with_decoding(pipe, ar):
     got = drain(core, got)
     offline = pipe.generate([LONG], max_new_tokens=24)[0]
     assert got["long"][0] == offline.tokens
-    assert got["long"][0] == ar.decoder.generate([long_ids], max_new_tokens=24
+    assert got["long"][0] == generate_tokens(ar.decoder, [long_ids], max_new_tokens=24
                                                  ).generations[0].tokens
     assert core.stats().free_pages == core.num_pages
 
@@ -333,7 +334,7 @@ def test_preemption_recomputes_requests_without_changing_them(pipe, ar, method):
         gather(core.step(), got)
         peak = max(peak, core.num_pages - core.stats().free_pages)
     assert core.stats().preemptions > 0 and peak <= per_slot
-    reference = ar.decoder.generate(prompts, max_new_tokens=60, ignore_eos=True).generations
+    reference = generate_tokens(ar.decoder, prompts, max_new_tokens=60, ignore_eos=True).generations
     for i, ref in enumerate(reference):
         tokens, reason, _ = got[f"r{i}"]
         assert (tokens, reason) == (ref.tokens, "length"), i

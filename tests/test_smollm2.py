@@ -12,6 +12,7 @@ import torch
 
 from dspine_jax.checkpoints import load_target
 from dspine_jax.generate import AutoregressiveGenerator
+from dspine_jax.runtime.offline import generate_tokens
 
 pytestmark = pytest.mark.slow
 
@@ -81,7 +82,7 @@ def test_greedy_continuations_match_transformers(ours, reference):
     prompts = [tok(p).input_ids for p in PROMPTS]
     prompts.append(ours.tokenizer.encode_chat(CHATS[0]))
     gen = AutoregressiveGenerator(ours.model, eos_token_ids=ours.tokenizer.eos_token_ids)
-    batch = gen.generate(prompts, max_new_tokens=24)
+    batch = generate_tokens(gen, prompts, max_new_tokens=24)
     for ids, got in zip(prompts, batch.generations):
         with torch.no_grad():
             ref = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
@@ -117,9 +118,9 @@ def test_speculative_greedy_equals_ar_with_an_untrained_drafter(ours, kind):
     drafter = BlockDrafter.create(config, ours.model.output_embedding(), seed=0)
     eos = ours.tokenizer.eos_token_ids
     prompts = [ours.tokenizer.encode(PROMPTS[0]), ours.tokenizer.encode_chat(CHATS[0])]
-    want = AutoregressiveGenerator(ours.model, eos_token_ids=eos).generate(
+    want = generate_tokens(AutoregressiveGenerator(ours.model, eos_token_ids=eos),
         prompts, max_new_tokens=20)
-    got = SpeculativeEngine(ours.model, drafter, eos_token_ids=eos).generate(
+    got = generate_tokens(SpeculativeEngine(ours.model, drafter, eos_token_ids=eos),
         prompts, max_new_tokens=20)
     for w, g in zip(want.generations, got.generations):
         assert g.tokens == w.tokens

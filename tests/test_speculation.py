@@ -14,6 +14,8 @@ from dspine_jax.generate import AutoregressiveGenerator
 from dspine_jax.speculative.policy import (AcceptanceStats, CostTable, SpeculationConfig,
                                            SpeculationPolicy, expected_tokens,
                                            slot_acceptance)
+from dspine_jax.runtime.fixed_batch import FixedBatch
+from dspine_jax.runtime.offline import generate_tokens
 from tests.test_engine import (PROMPTS, SAMPLING, SMALL, build, chi2_pvalue,
                                exact_two_token_distribution, sample_pairs)
 
@@ -187,11 +189,11 @@ def test_saved_costs_start_the_next_process(tmp_path):
 def test_greedy_equals_autoregressive_at_every_width(kind):
     target, drafter = build(kind=kind, block=8)
     ar = AutoregressiveGenerator(target, eos_token_ids=[0])
-    want = ar.generate(PROMPTS[:6], max_new_tokens=20).generations
+    want = generate_tokens(ar, PROMPTS[:6], max_new_tokens=20).generations
     engine = SpeculativeEngine(target, drafter, eos_token_ids=[0], steps_per_call=3,
                                speculation=SpeculationConfig("adaptive"))
     assert engine.widths == (0, 1, 3, 7)
-    run = engine.prepare(PROMPTS[:6], max_new_tokens=20)
+    run = FixedBatch(engine, PROMPTS[:6], max_new_tokens=20)
     for width in engine.widths:
         state = run.prefill()
         while not np.asarray(state.done).all():
@@ -202,7 +204,7 @@ def test_greedy_equals_autoregressive_at_every_width(kind):
             lengths = np.asarray(state.pass_lengths[row, :int(state.num_passes[row])])
             assert lengths.max() <= width + 1
     # the adaptive policy over the whole request
-    got = engine.generate(PROMPTS[:6], max_new_tokens=20).generations
+    got = generate_tokens(engine, PROMPTS[:6], max_new_tokens=20).generations
     assert [g.tokens for g in got] == [w.tokens for w in want]
     assert sum(sum(g.verify_widths.values()) for g in got) == sum(
         len(g.accept_lengths) for g in got)
@@ -259,7 +261,7 @@ def test_serving_engine_follows_the_cost_table(cheap):
 
     target, drafter = build(kind="dspine", block=8)
     ar = AutoregressiveGenerator(target, eos_token_ids=[0])
-    want = [g.tokens for g in ar.generate(PROMPTS[:4], max_new_tokens=16).generations]
+    want = [g.tokens for g in generate_tokens(ar, PROMPTS[:4], max_new_tokens=16).generations]
     engine = SpeculativeEngine(target, drafter, eos_token_ids=[0], steps_per_call=2,
                                speculation=SpeculationConfig("adaptive"))
     engine.policy.costs = CostTable()     # not what earlier runs saved for this pair

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 from dspine_jax.generate import AutoregressiveGenerator
+from dspine_jax.runtime import slot_steps
+from dspine_jax.runtime.fixed_batch import FixedBatch
 from pallas_kernels import top_k as long_rows
 from pallas_kernels.dspine_proposal import dspine_proposal, vocab_top_k
 from pallas_kernels.dspine_proposal import reference as proposal_reference
@@ -42,11 +44,13 @@ def test_a_decoder_keeps_the_switches_it_was_built_with(monkeypatch):
     monkeypatch.setenv("DSPINE_WARP_UNFILTERED", "1")     # too late for `first`
     second = AutoregressiveGenerator(target)
     assert not first.switches.warp_unfiltered and second.switches.warp_unfiltered
-    first.prepare([[3, 4]], max_new_tokens=2, temperature=1.0)
-    second.prepare([[3, 4]], max_new_tokens=2, temperature=1.0)
-    # the sampling mode is part of each program's key: filtered for one, not the other
-    assert {k[-1] for k in first._compiled} == {False}
-    assert {k[-1] for k in second._compiled} == {True}
+    FixedBatch(first, [[3, 4]], max_new_tokens=2, temperature=1.0)
+    FixedBatch(second, [[3, 4]], max_new_tokens=2, temperature=1.0)
+    # the sampling mode is part of each decode program's key: filtered for one only
+    def modes(decoder):
+        return {key[2] for name, key in slot_steps.compiled(decoder)._executables
+                if name == "decode"}
+    assert modes(first) == {"filtered"} and modes(second) == {"unfiltered"}
 
 
 def spy(monkeypatch, module, name, field, result):

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from dspine_cli.main import app
 from dspine_jax.checkpoints import load_target
 from dspine_jax.tokenizer import TextTokenizer
+from dspine_jax.runtime.offline import generate_tokens
 
 TEXTS = ["the quick brown fox", "hello world!", "def f(x):\n  return x", "<|im_start|>hi"]
 
@@ -53,7 +54,7 @@ def test_cli_json_equals_library_greedy(tiny_llama_dir, chat):
     tok = loaded.tokenizer
     ids = tok.encode_chat([{"role": "user", "content": "hello world"}]) if chat \
         else tok.encode("hello world")
-    expected = AutoregressiveGenerator(loaded.model).generate(
+    expected = generate_tokens(AutoregressiveGenerator(loaded.model),
         [ids], max_new_tokens=7).generations[0].tokens
     assert out["tokens"] == expected and out["num_tokens"] == 7
     assert out["text"] == tok.decode(expected)
@@ -102,7 +103,7 @@ def test_mean_accept_length_has_one_definition(tiny_llama_dir):
 
     pipe = Pipeline.load(tiny_llama_dir)
     ids = pipe.encode("hello")
-    [g] = pipe.decoder.generate([ids], max_new_tokens=1).generations
+    [g] = generate_tokens(pipe.decoder, [ids], max_new_tokens=1).generations
     [r] = pipe.generate(["hello"], max_new_tokens=1)
     assert g.accept_lengths == r.accept_lengths == []
     assert g.mean_accept_length == r.mean_accept_length == 0.0

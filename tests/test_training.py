@@ -21,6 +21,7 @@ from dspine_cli.main import app
 from dspine_jax.data.prompts import is_held_out
 from dspine_jax.data.shards import load_dataset, read_manifest
 from dspine_jax.errors import ConfigError, InputError
+from dspine_jax.runtime.offline import generate_tokens
 from tests.conftest import save_hf_model, write_tiny_tokenizer
 from dspine_train.config import load_config
 
@@ -81,7 +82,7 @@ def test_regenerated_data_are_the_targets_greedy_responses(workspace):
     # Batches of 5 in shards of 8: rows 5-7 were decoded in a batch padded to 5 rows.
     for i in (0, 5, 6, 7):
         ids = pipe.encode(Prompt(f"the quick brown fox {i}", i % 2 == 0))
-        want = pipe.decoder.generate([ids], max_new_tokens=20).generations[0].tokens
+        want = generate_tokens(pipe.decoder, [ids], max_new_tokens=20).generations[0].tokens
         assert sequences[i].tokens.tolist() == ids + want, i
         mask = sequences[i].loss_mask
         assert not mask[:len(ids)].any() and mask[len(ids):].all()

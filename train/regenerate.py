@@ -7,11 +7,10 @@ left by whole turns to fit `max_prompt_tokens` (cut prompts and dropped turns ar
 in the manifest; a prompt whose last turn alone is too long is skipped and counted).
 Each prompt is answered once per temperature in `temperatures`, `samples_per_prompt`
 times at every T > 0 (greedy answers would repeat: T = 0 gives one). Responses are
-decoded by the same engines as everything else: `engine="batch"`, full batches of one
-temperature that run until their longest row ends, or `engine="slots"`, the serving
-engine's continuous batching over one shared KV page pool (a finished row takes the next
-response at once; every response draws from its own seed; the next shard's requests are
-queued as soon as none waits, so a shard's last long responses do not leave slots idle).
+decoded by the same engine as everything else: continuous batching over one shared KV
+page pool (a finished row takes the next response at once; every response draws from its
+own seed; the next shard's requests are queued as soon as none waits, so a shard's last
+long responses do not leave slots idle).
 They land in shards of `shard_size` prompts (all of their responses), in order, with a
 loss mask on the response tokens; a shard's `seconds` is the decoding time since the
 previous shard was done.
@@ -34,7 +33,6 @@ from tqdm import tqdm
 from dspine_jax.data.prompts import fit_chat, jsonl_prompts, sharegpt_prompts
 from dspine_jax.data.shards import (MANIFEST, Sequence, read_manifest, token_dtype,
                                     write_manifest, write_shard)
-from dspine_jax.decoding import padded_batch
 from dspine_jax.errors import InputError
 
 FORMAT = 2  # manifest format: 1 (no field) had one temperature, first turns, int32 shards
@@ -66,20 +64,14 @@ def encode(tokenizer, prompt: dict, max_tokens: int) -> tuple[list[int], int] | 
     return (ids, 0) if len(ids) <= max_tokens else None
 
 
-def batch_seed(seed: int, shard: int, temperature_index: int, batch: int) -> int:
-    return int(np.random.SeedSequence([seed, shard, temperature_index, batch])
-               .generate_state(1)[0])
-
-
 def regenerate(out: Path, *, target: str, source: str = "sharegpt", turns: str = "first",
                limit: int | None = None, max_new_tokens: int = 256,
                max_prompt_tokens: int = 512, temperatures: list[float] = (0.0,),
                samples_per_prompt: int = 1, top_p: float = 1.0, seed: int = 0,
                batch_size: int = 32, shard_size: int = 256, dtype: str = "auto",
-               engine: str = "batch", num_pages: int | None = None,
-               max_seconds: float | None = None) -> dict:
-    """num_pages: the slot engine's KV page pool (see `slot_engine`); it and batch_size
-    change the speed of `engine="slots"`, never its data. max_seconds: stop once a shard
+               num_pages: int | None = None, max_seconds: float | None = None) -> dict:
+    """num_pages: the engine's KV page pool (see `slot_engine`); it and batch_size
+    change the speed, never the data. max_seconds: stop once a shard
     lands this long after the call began (loading and compiling included); the manifest
     then says `complete: false` and the same call resumes at the next shard."""
     from dspine_jax.api import Pipeline
@@ -89,11 +81,6 @@ def regenerate(out: Path, *, target: str, source: str = "sharegpt", turns: str =
     temperatures = [float(t) for t in temperatures]
     if not temperatures or len(set(temperatures)) != len(temperatures):
         raise InputError(f"temperatures must be distinct values, got {temperatures}")
-    if engine not in ("batch", "slots"):
-        raise InputError(f"engine must be 'batch' or 'slots', got {engine!r}")
-    if num_pages is not None and engine != "slots":
-        raise InputError("num_pages sizes the slot engine's page pool: use it with "
-                         "engine='slots'")
     if samples_per_prompt < 1:
         raise InputError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
     if max_seconds is not None and not max_seconds > 0:
@@ -101,7 +88,8 @@ def regenerate(out: Path, *, target: str, source: str = "sharegpt", turns: str =
     settings = dict(format=FORMAT, target=target, source=source, turns=turns, limit=limit,
                     max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
                     temperatures=temperatures, samples_per_prompt=samples_per_prompt,
-                    top_p=top_p, seed=seed, shard_size=shard_size, engine=engine)
+                    top_p=top_p, seed=seed, shard_size=shard_size,
+                    engine="slots")   # what decoded the data (older versions had another)
     if (out / MANIFEST).is_file():
         manifest = read_manifest(out)
         if manifest["settings"] != settings:
@@ -114,7 +102,7 @@ def regenerate(out: Path, *, target: str, source: str = "sharegpt", turns: str =
                         **{name: 0 for name in COUNTERS})
     prompts = load_prompts(source, turns)[:limit]
     done = sum(s["prompts"] for s in manifest["shards"])
-    pipe = Pipeline.load(target, dtype=dtype, serving=engine == "slots")
+    pipe = Pipeline.load(target, dtype=dtype, serving=True)
     vocab = max(pipe.decoder.config.vocab_size, pipe.tokenizer.vocab_size)
     manifest["token_dtype"] = manifest["token_dtype"] or token_dtype(vocab)
     plan = response_plan(temperatures, samples_per_prompt)
@@ -122,25 +110,17 @@ def regenerate(out: Path, *, target: str, source: str = "sharegpt", turns: str =
                     desc="regenerate")
     # Every batch this size: one compiled shape per prompt bucket, not per batch size.
     rows = min(batch_size, len(prompts) * len(plan))
-    core = (slot_engine(pipe.decoder, rows, max_prompt_tokens + max_new_tokens, num_pages)
-            if engine == "slots" else None)
-    if core is not None and done < len(prompts):
+    core = slot_engine(pipe.decoder, rows, max_prompt_tokens + max_new_tokens, num_pages)
+    if done < len(prompts):
         # Every call shape at once, compiled in parallel. Compiled lazily, one at a time,
         # they made the first shard take 224 s on the H200 (512 slots), the others 30-45.
         with pipe.decoder.switches.active():
             seconds = core.warmup(sampling_modes(temperatures, top_p))
         manifest["compile_seconds"] = round(manifest.get("compile_seconds", 0) + seconds, 3)
-        progress.write(f"compiled the slot engine's calls in {seconds:.0f} s")
+        progress.write(f"compiled the engine's calls in {seconds:.0f} s")
     chunks = (encode_chunk(pipe.tokenizer, prompts, start, shard_size, max_prompt_tokens)
               for start in range(done, len(prompts), shard_size))
-    if engine == "slots":
-        decoded = decode_slots(core, chunks, plan, seed, max_new_tokens, top_p, progress)
-    else:
-        first = len(manifest["shards"])  # each batch's seed counts shards from the start
-        decoded = ((chunk, *decode_batches(pipe.decoder, chunk.encoded, plan, temperatures,
-                                           first + k, seed, max_new_tokens, top_p, rows,
-                                           progress))
-                   for k, chunk in enumerate(chunks))
+    decoded = decode_slots(core, chunks, plan, seed, max_new_tokens, top_p, progress)
     for chunk, responses, seconds in decoded:
         shard = len(manifest["shards"])
         sequences = []
@@ -229,27 +209,6 @@ def response_seed(seed: int, prompt_index: int, response: int) -> int:
     """A response's own seed (uint32, the engine's row key): the run's seed, the prompt's
     index in the source and the response's index in the plan."""
     return int(np.random.SeedSequence([seed, prompt_index, response]).generate_state(1)[0])
-
-
-def decode_batches(decoder, encoded, plan, temperatures, shard, seed, max_new_tokens, top_p,
-                   rows, progress) -> tuple[list[list[list[int]]], float]:
-    """(responses, seconds): responses[i][j] is prompt i's response j (plan order),
-    decoded in full batches of `rows`, one temperature at a time; each batch draws from
-    one seed."""
-    started = time.perf_counter()
-    responses = [[None] * len(plan) for _ in encoded]
-    for ti, t in enumerate(temperatures):
-        items = [(i, j) for i in range(len(encoded)) for j, tj in enumerate(plan) if tj == t]
-        items.sort(key=lambda item: len(encoded[item[0]]))  # similar lengths together
-        for b in range(0, len(items), rows):
-            batch = items[b:b + rows]
-            result = decoder.generate(padded_batch([encoded[i] for i, _ in batch], rows),
-                                      max_new_tokens=max_new_tokens, temperature=t,
-                                      top_p=top_p, seed=batch_seed(seed, shard, ti, b // rows))
-            for (i, j), gen in zip(batch, result.generations):  # pad rows dropped
-                responses[i][j] = gen.tokens
-            progress.update(len(batch))
-    return responses, time.perf_counter() - started
 
 
 def decode_slots(core, chunks, plan, seed, max_new_tokens, top_p, progress):

@@ -8,21 +8,20 @@ time (compilation excluded); speedup = a method's tokens/s over AR's on that ben
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 from collections import Counter
 from pathlib import Path
 
-import jax
 from tqdm import tqdm
 
 from dspine_jax.api import (MethodChoice, Pipeline, Prompt, check_attention_backend,
                             check_proposal, check_speculation, resolve_method)
 from dspine_jax.checkpoints import load_target, resolve_dtype
-from dspine_jax.decoding import mean_accept_length, padded_batch
+from dspine_jax.decoding import mean_accept_length
 from dspine_jax.drafters import DEFAULT_PROPOSAL, DEFAULT_PROPOSAL_KERNEL
 from dspine_jax.errors import InputError
 from dspine_jax.evaluation.benchmarks import load_benchmark
+from dspine_jax.runtime.offline import generate_tokens
 from dspine_jax.speculative.policy import SpeculationConfig
 
 
@@ -38,54 +37,31 @@ def fitting_prompts(pipe: Pipeline, prompts: list[dict], room: int,
     return fitting, len(prompts) - len(fitting)
 
 
-def warm_up(pipe: Pipeline, fitting: list[list[int]], batch_size: int, **options) -> float:
-    """Compile the first batch's programs and run each once (one prefill, one decode
-    call: the first run of a program loads it); -> compile seconds. Safe to call from
-    several threads for different pipelines."""
-    run = pipe.decoder.prepare(padded_batch(fitting[:batch_size], batch_size), **options)
-    jax.block_until_ready(run.decode(run.prefill()))
-    return run.compile_seconds
-
-
 def run_method(pipe: Pipeline, fitting: list[list[int]], skipped: int, *, batch_size: int,
-               compile_seconds: float = 0.0, **options) -> dict:
-    """Decode the prompts that fit (the same set for every method), after `warm_up`.
-
-    Every batch has exactly `batch_size` rows (a short last batch is padded with copies
-    of its last prompt, left out of the counts), so one compiled shape serves all."""
-    tokens = 0
+               **options) -> dict:
+    """Decode the prompts that fit (the same set for every method) through `batch_size`
+    slots; programs compile on first use, outside the timed seconds."""
+    batch = generate_tokens(pipe.decoder, fitting, max_slots=batch_size, **options)
     accept_lengths: list[int] = []
     widths: Counter = Counter()   # passes per verify width
-    seconds = 0.0
-    for start in range(0, len(fitting), batch_size):
-        chunk = fitting[start:start + batch_size]
-        batch = pipe.decoder.generate(padded_batch(chunk, batch_size), **options)
-        seconds += batch.seconds
-        compile_seconds += batch.compile_seconds
-        for g in batch.generations[:len(chunk)]:
-            tokens += len(g.tokens)
-            accept_lengths += g.accept_lengths
-            widths.update(g.verify_widths)
+    for g in batch.generations:
+        accept_lengths += g.accept_lengths
+        widths.update(g.verify_widths)
+    tokens = sum(len(g.tokens) for g in batch.generations)
     return {"prompts": len(fitting), "skipped_too_long": skipped,
-            "tokens": tokens, "seconds": seconds, "compile_seconds": compile_seconds,
-            "tokens_per_second": tokens / max(seconds, 1e-9),
+            "tokens": tokens, "seconds": batch.seconds,
+            "compile_seconds": batch.compile_seconds,
+            "tokens_per_second": tokens / max(batch.seconds, 1e-9),
             "accept_length": mean_accept_length(accept_lengths),  # pooled over prompts
             "verify_widths": {str(w): widths[w] for w in sorted(widths)}}
 
 
 def run_benchmark(pipes: dict[str, Pipeline], prompts: list[dict], *, batch_size: int,
                   room: int, **options) -> dict[str, dict]:
-    """Every method on one benchmark: the methods' programs compile side by side in
-    threads (XLA compiles outside the GIL), then each method decodes alone, so timings
-    never overlap."""
+    """Every method on one benchmark, one after the other, so timings never overlap."""
     # Every method's pipeline shares the target's tokenizer: encode once.
     fitting, skipped = fitting_prompts(pipes["ar"], prompts, room, options["max_new_tokens"])
-    with concurrent.futures.ThreadPoolExecutor(len(pipes)) as pool:
-        compiles = {label: pool.submit(warm_up, pipe, fitting, batch_size, **options)
-                    for label, pipe in pipes.items()}
-        compiled = {label: future.result() for label, future in compiles.items()}
-    return {label: run_method(pipe, fitting, skipped, batch_size=batch_size,
-                              compile_seconds=compiled[label], **options)
+    return {label: run_method(pipe, fitting, skipped, batch_size=batch_size, **options)
             for label, pipe in pipes.items()}
 
 

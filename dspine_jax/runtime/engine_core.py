@@ -195,10 +195,14 @@ class EngineCore:
 
     def __init__(self, decoder: BatchDecoder, *, max_slots: int = 8,
                  max_model_len: int | None = None, max_waiting: int | None = None,
-                 num_pages: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+                 num_pages: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 verify_widths: Sequence[int] | None = None):
         """num_pages: the shared pool's size; default max_slots x pages of max_model_len
         (every slot can hold a full-length request). prefill_chunk: prompt tokens a
-        request prefills per step."""
+        request prefills per step. verify_widths: the widths adaptive speculation chooses
+        from (default: the two ends of its set, each a program per row bucket and
+        sampling mode for `warmup` to compile; offline runs compile on first use and
+        take the whole set)."""
         context = decoder.config.max_position_embeddings
         max_model_len = max_model_len or context
         if not isinstance(max_slots, int) or max_slots < 1:
@@ -262,8 +266,16 @@ class EngineCore:
         self._policy = decoder.speculation_policy()
         self._runtime = RuntimeConfig.of(decoder).to_json()
         default = decoder.default_width()
-        self._widths = ((self._policy.widths[0], self._policy.widths[-1]) if self._policy
-                        else (default,))
+        if self._policy is None:
+            self._widths = (default,)
+        elif verify_widths is None:
+            self._widths = (self._policy.widths[0], self._policy.widths[-1])
+        else:
+            unknown = sorted(set(verify_widths) - set(self._policy.widths))
+            if unknown:
+                raise InputError(f"verify widths {unknown} are not compiled by this "
+                                 f"decoder (it has {list(self._policy.widths)})")
+            self._widths = tuple(sorted(set(verify_widths)))
         # off during warm-up: its calls are each program's first run on the device (one-
         # time setup included) over a dummy prompt, neither a cost nor an acceptance
         self._learning = True
@@ -271,6 +283,21 @@ class EngineCore:
     @property
     def num_pages(self) -> int:
         return self._pages.num_pages
+
+    @property
+    def compile_seconds(self) -> float:
+        """Seconds spent compiling this core's decoder's programs so far (every core over
+        the decoder shares them)."""
+        return self._steps.compile_seconds
+
+    def compiling_within(self, start: float, end: float) -> float:
+        """Seconds of the perf_counter window [start, end] spent compiling."""
+        return self._steps.compiling_within(start, end)
+
+    def close(self) -> None:
+        """Stop the runner thread once its queued calls are done (the core is unusable
+        after)."""
+        self._runner.shutdown(wait=True)
 
     # ----- the interface -------------------------------------------------------------------
     def check_request(self, prompt_token_ids: Sequence[int], options: SamplingOptions) -> None:
@@ -287,13 +314,15 @@ class EngineCore:
         if bad:
             raise InputError(f"stop_token_ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         need = len(prompt) + options.max_tokens + self.decoder.extra_capacity
+        context = self.decoder.config.max_position_embeddings
         if need > self.max_model_len:
             room = self.max_model_len - self.decoder.extra_capacity - len(prompt)
             raise InputError(
                 f"the prompt has {len(prompt)} tokens and max_tokens is {options.max_tokens}"
                 + (f" (plus a {self.decoder.extra_capacity}-token verify block)"
                    if self.decoder.extra_capacity else "")
-                + f": {need} positions, past this server's context of {self.max_model_len}. "
+                + f": {need} positions, past the engine's context of {self.max_model_len}"
+                + (" (the model's)" if self.max_model_len == context else "") + ". "
                 + (f"Lower max_tokens to at most {room}." if room > 0
                    else "Shorten the prompt."))
 

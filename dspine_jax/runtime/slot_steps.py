@@ -40,6 +40,8 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import os
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -153,6 +155,9 @@ class CompiledSteps:
         self._executables: dict = {}
         self.switches = decoder.switches
         self.compiles = 0            # programs compiled so far (a timed call must see none)
+        self.compile_seconds = 0.0   # spent compiling them (summed over compile threads)
+        self._spans: list[tuple[float, float]] = []    # (start, end) of each compile
+        self._lock = threading.Lock()
 
     def __call__(self, name: str, key, *args, mode: str = "filtered", **static):
         """Run call `name` (compiled for `key` on first use); `static`: decode's width."""
@@ -163,9 +168,29 @@ class CompiledSteps:
         return executable(*args)
 
     def _compile(self, name: str, args, mode: str, static: dict):
-        self.compiles += 1
+        started = time.perf_counter()
         with self.switches.active():     # in this thread: a compile worker's too
-            return self._jit[name].lower(*args, mode=mode, **static).compile()
+            executable = self._jit[name].lower(*args, mode=mode, **static).compile()
+        ended = time.perf_counter()
+        with self._lock:
+            self.compiles += 1
+            self.compile_seconds += ended - started
+            self._spans.append((started, ended))
+        return executable
+
+    def compiling_within(self, start: float, end: float) -> float:
+        """Seconds of [start, end] (perf_counter times) during which a program was being
+        traced or compiled: Python's share of it holds the GIL, so a host loop timed over
+        that window leaves it out."""
+        with self._lock:
+            spans = sorted((max(a, start), min(b, end)) for a, b in self._spans
+                           if b > start and a < end)
+        total, reach = 0.0, start
+        for a, b in spans:       # overlapping compiles (threads) count once
+            if b > reach:
+                total += b - max(a, reach)
+                reach = b
+        return total
 
     def precompile(self, calls: list[tuple[str, object, tuple, str, dict]],
                    workers: int | None = None) -> None:

@@ -13,6 +13,7 @@ import time
 import jax
 import numpy as np
 
+from dspine_jax.runtime.fixed_batch import FixedBatch
 from dspine_jax.speculative.policy import expected_tokens
 
 PROMPT_TOKENS = 64
@@ -27,13 +28,13 @@ def measure(engine, batch_sizes: list[int], repeats: int = 3, seed: int = 0) -> 
     budget = engine.steps_per_call * engine.block_size + 1     # no row finishes in a call
     for rows in batch_sizes:
         prompts = [rng.integers(0, vocab, PROMPT_TOKENS).tolist() for _ in range(rows)]
-        run = engine.prepare(prompts, max_new_tokens=budget, ignore_eos=True)
+        batch = FixedBatch(engine, prompts, max_new_tokens=budget, ignore_eos=True)
         for width in engine.widths:
             samples = []
             for attempt in range(repeats + 1):
-                state = jax.block_until_ready(run.prefill())
+                state = jax.block_until_ready(batch.prefill())
                 start = time.perf_counter()
-                state = jax.block_until_ready(run.decode(state, width))
+                state = jax.block_until_ready(batch.decode(state, width))
                 if attempt:
                     samples.append((time.perf_counter() - start) / engine.steps_per_call)
             engine.policy.costs.set(rows, width, statistics.median(samples))
