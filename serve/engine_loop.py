@@ -170,6 +170,8 @@ class EngineLoop:
             for sink in list(self._sinks.values()):
                 _deliver(sink, EngineDead(f"the engine stopped: {e!r}"))
             self._sinks.clear()
+        finally:
+            self.core.close()        # the loop owns its core: its runner thread ends too
 
     def _apply(self, command) -> None:
         if command[0] == "add":

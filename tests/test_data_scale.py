@@ -212,20 +212,18 @@ def test_temperatures_samples_resume_and_refusal(tiny, tmp_path, monkeypatch):
 
 
 
-@pytest.mark.parametrize("engine", ["batch", "slots"])
-def test_max_seconds_stops_after_a_shard_and_the_rerun_completes(tiny, tmp_path, monkeypatch,
-                                                                 engine):
+def test_max_seconds_stops_after_a_shard_and_the_rerun_completes(tiny, tmp_path, monkeypatch):
     """A time-bounded run stops once a shard lands past max_seconds (here: the first),
     says so in its manifest, and the same command without the bound finishes the same
     data an unbounded run makes."""
     from dspine_jax.api import Pipeline
     import dspine_train.regenerate as regen
 
-    pipe = Pipeline.load(str(tiny / "model"), serving=engine == "slots")
+    pipe = Pipeline.load(str(tiny / "model"), serving=True)
     monkeypatch.setattr(Pipeline, "load", classmethod(lambda cls, *a, **k: pipe))
     kw = dict(target=str(tiny / "model"), source=str(tiny / "prompts.jsonl"),
               max_new_tokens=6, max_prompt_tokens=80, temperatures=[0.0, 1.0],
-              batch_size=4, shard_size=2, engine=engine)
+              batch_size=4, shard_size=2)
     whole = regen.regenerate(tmp_path / "whole", **kw)
     assert whole["complete"] and len(whole["shards"]) == 3
     part = regen.regenerate(tmp_path / "part", **kw, max_seconds=1e-9)
@@ -249,7 +247,7 @@ def test_slot_engine_gives_each_response_its_own_seed(tiny, tmp_path, monkeypatc
     monkeypatch.setattr(Pipeline, "load", classmethod(lambda cls, *a, **k: pipe))
     kw = dict(target=str(tiny / "model"), source=str(tiny / "prompts.jsonl"),
               max_new_tokens=12, max_prompt_tokens=80, temperatures=[0.0, 1.0],
-              samples_per_prompt=2, batch_size=4, engine="slots")
+              samples_per_prompt=2, batch_size=4)
     runs = {}
     for shard in (2, 6):  # other responses beside each one (one compiled engine: test time)
         manifest = regen.regenerate(tmp_path / f"shard{shard}", shard_size=shard, **kw)
@@ -278,10 +276,12 @@ def test_slot_engine_gives_each_response_its_own_seed(tiny, tmp_path, monkeypatc
     want = generate_tokens(pipe.decoder, [ids], max_new_tokens=12).generations[0].tokens
     assert runs[2][2 * 3] == ids + want
     assert runs[2][2 * 3 + 1] != runs[2][2 * 3 + 2]
+    # a folder decoded by an older version's static batches is not mixed in
+    manifest = read_manifest(tmp_path / "shard2")
+    manifest["settings"]["engine"] = "batch"
+    write_manifest(tmp_path / "shard2", manifest)
     with pytest.raises(InputError, match="other settings \\(engine\\)"):
-        regen.regenerate(tmp_path / "shard2", shard_size=2, **{**kw, "engine": "batch"})
-    with pytest.raises(InputError, match="num_pages sizes the slot engine"):
-        regen.regenerate(tmp_path / "x", num_pages=64, **{**kw, "engine": "batch"})
+        regen.regenerate(tmp_path / "shard2", shard_size=2, **kw)
 
 
 def test_regeneration_warms_up_only_the_sampling_modes_its_calls_can_take(monkeypatch):

@@ -10,6 +10,7 @@ import importlib
 import pytest
 
 from dspine_jax.api import Pipeline
+from dspine_jax.speculative.policy import SpeculationConfig
 from dspine_jax.checkpoints import load_target
 
 PROMPTS = ["the quick brown fox", "hello world", "def f(x):"]
@@ -53,7 +54,9 @@ def test_each_proposal_path_decodes_as_ar(target_and_drafter, ar_tokens, monkeyp
 
     monkeypatch.setattr(gpu, "vocab_top_k_gpu", spy)
     loaded, folder = target_and_drafter
-    pipe = Pipeline.from_loaded(loaded, folder, proposal=proposal, proposal_kernel=kernel)
+    # fixed width: every pass drafts (adaptive may pick plain steps on the CPU)
+    pipe = Pipeline.from_loaded(loaded, folder, proposal=proposal, proposal_kernel=kernel,
+                                speculation=SpeculationConfig("fixed"))
     assert pipe.method == "dspine"
     assert (pipe.decoder.proposal_impl, pipe.decoder.proposal_kernel) == (proposal, kernel)
     got = [r.tokens for r in pipe.generate(PROMPTS, max_new_tokens=12, ignore_eos=True)]

@@ -9,9 +9,9 @@
 #
 # Environment knobs (defaults):
 #   RUNS=runs  DATA=$RUNS/data/sharegpt-all  PROMPTS= (all)  TEMPERATURES=0,0.7,1  SAMPLES=1
-#   MAX_NEW=1024  MAX_PROMPT=512  REGEN_BATCH=1024 (rows or slots)  SHARD=512
-#   ENGINE=slots (continuous batching) or batch (static batches)  NUM_PAGES= (slots: the
-#   shared KV page pool; default every slot at MAX_PROMPT + MAX_NEW, never preempted)
+#   MAX_NEW=1024  MAX_PROMPT=512  REGEN_BATCH=1024 (slots)  SHARD=512
+#   NUM_PAGES= (the shared KV page pool; default every slot at MAX_PROMPT + MAX_NEW, never
+#   preempted)
 #   DATA_SECONDS=0 (>0: the data stage stops once a shard lands past this many seconds;
 #   rerun to continue)
 #   KINDS="dflash dspine-ce-no-alignment"  STEPS=15000 (the whole chain)  LINK=2000 (steps
@@ -31,7 +31,6 @@ MAX_NEW=${MAX_NEW:-1024}
 MAX_PROMPT=${MAX_PROMPT:-512}
 REGEN_BATCH=${REGEN_BATCH:-1024}
 SHARD=${SHARD:-512}
-ENGINE=${ENGINE:-slots}
 DATA_SECONDS=${DATA_SECONDS:-0}
 KINDS=${KINDS:-"dflash dspine-ce-no-alignment"}
 STEPS=${STEPS:-15000}
@@ -53,7 +52,7 @@ stage_data() {
   timed data dspine data regenerate --out "$DATA" --turns all ${PROMPTS:+--limit "$PROMPTS"} \
     --temperatures "$TEMPERATURES" --samples-per-prompt "$SAMPLES" \
     --max-new-tokens "$MAX_NEW" --max-prompt-tokens "$MAX_PROMPT" \
-    --batch-size "$REGEN_BATCH" --shard-size "$SHARD" --engine "$ENGINE" \
+    --batch-size "$REGEN_BATCH" --shard-size "$SHARD" \
     ${NUM_PAGES:+--num-pages "$NUM_PAGES"} \
     $( ((DATA_SECONDS > 0)) && echo --max-seconds "$DATA_SECONDS")
 }

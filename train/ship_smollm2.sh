@@ -60,7 +60,7 @@ regenerate() {  # regenerate NAME OUT LIMIT: the target's greedy answers to LIMI
   [[ -f $PROMPT_FILE ]] || stage_prompts
   timed "$1" dspine data regenerate --out "$2" \
     --source "$PROMPT_FILE" --limit "$3" --max-prompt-tokens "$MAX_PROMPT" \
-    --max-new-tokens "$MAX_NEW" --batch-size "$REGEN_BATCH" --shard-size "$SHARD" --engine slots
+    --max-new-tokens "$MAX_NEW" --batch-size "$REGEN_BATCH" --shard-size "$SHARD"
 }
 
 stage_data() { regenerate data "$RUNS/data/sharegpt-turns-$MAX_PROMPT" "$PROMPTS"; }
