@@ -47,10 +47,19 @@ CHAT = ["hello", "what is the quick fox?", "def f(x): return x", "say hello worl
         "the dog", "fox", "jumps", "lazy brown dog jumps"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(count: int = 1) -> int:
+    """A port free now, with the `count - 1` ports after it."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            for p in range(port + 1, port + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return port
+        except OSError:
+            continue
 
 
 @pytest.fixture(scope="module")
@@ -904,7 +913,7 @@ def test_serve_startup_benchmark(tiny_llama_dir, tmp_path):
 
     out = tmp_path / "startup.json"
     report = serve_startup.main(["--target", str(tiny_llama_dir), "--max-slots", "1",
-                                 "--port", str(free_port()), "--out", str(out), "--",
+                                 "--port", str(free_port(2)), "--out", str(out), "--",
                                  "--max-model-len", "64"])
     assert report == json.loads(out.read_text())
     for start in ("cold", "restart"):
