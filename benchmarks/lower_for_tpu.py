@@ -159,7 +159,7 @@ def serving_programs(config, args) -> list[Program]:
     import jax.numpy as jnp
 
     from dspine_jax import row_keys
-    from dspine_jax.kv_cache import pages_needed
+    from dspine_jax.page_pool import pages_needed
     from dspine_jax.sampling import SamplingParams
 
     target = abstract_target(config, jnp.bfloat16)
@@ -284,7 +284,7 @@ def kernel_programs(config, args) -> list[Program]:
     import jax
     import jax.numpy as jnp
 
-    from dspine_jax.kv_cache import pages_needed
+    from dspine_jax.page_pool import pages_needed
     from pallas_kernels import lm_head_stats, ragged_paged_attention, vocab_top_k
     from pallas_kernels.top_k import top_k
 

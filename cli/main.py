@@ -75,7 +75,7 @@ def generate(
     """Generate text: autoregressive, or speculative with a DFlash or DSpine drafter."""
     try:
         from dspine_jax.api import Pipeline, Prompt
-        from dspine_jax.sampling import validate_sampling
+        from dspine_jax.runtime.requests import validate_sampling
 
         # Everything checkable is checked before Pipeline.load: loading takes seconds.
         validate_sampling(temperature, top_p, top_k)
@@ -178,7 +178,7 @@ def evaluate_command(
     try:
         from dspine_jax.evaluation.benchmarks import BENCHMARKS
         from dspine_jax.evaluation.run import evaluate
-        from dspine_jax.sampling import validate_sampling
+        from dspine_jax.runtime.requests import validate_sampling
 
         validate_sampling(temperature, 1.0, 0)
         names = [b.strip() for b in benchmarks.split(",") if b.strip()]
@@ -393,7 +393,7 @@ def data_regenerate(
 ):
     """Regenerate responses with the target itself: the drafters' training data."""
     try:
-        from dspine_jax.sampling import validate_sampling
+        from dspine_jax.runtime.requests import validate_sampling
         from dspine_train.regenerate import regenerate
 
         try:

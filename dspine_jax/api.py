@@ -22,7 +22,7 @@ from dspine_jax.errors import CheckpointError, ConfigError, InputError
 from dspine_jax.registry import BUILTIN_DRAFTERS, DEFAULT_TARGET, resolve_drafter
 from dspine_jax.runtime.config import RuntimeConfig
 from dspine_jax.runtime.offline import generate_tokens, stream_tokens
-from dspine_jax.sampling import validate_sampling
+from dspine_jax.runtime.requests import validate_sampling
 from dspine_jax.speculative.policy import SpeculationConfig
 
 METHODS = ("ar", "dflash", "dspine")

@@ -36,7 +36,7 @@ from flax import nnx, struct
 from dspine_jax import row_keys
 from dspine_jax.attention import AttentionBackend, select_backend
 from dspine_jax.errors import InputError
-from dspine_jax.kv_cache import DEFAULT_PAGE_SIZE
+from dspine_jax.page_pool import DEFAULT_PAGE_SIZE
 from dspine_jax.sampling import sample_tokens
 from dspine_jax.target import TargetModel
 from pallas_kernels.switches import Switches

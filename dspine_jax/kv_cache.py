@@ -6,8 +6,8 @@ page page_table[b, p // PS], slot p % PS; row b holds valid entries at positions
 (speculative decoding's rejected tokens) is a smaller `lengths`, and what lies past it is
 never read (attention stops at the length) and is overwritten by the next write.
 
-Which pages a sequence owns is host-side bookkeeping (`PagePool`); the device sees only
-the page table. Table entries past a row's pages hold P, out of range, so a stray write
+Which pages a sequence owns is host-side bookkeeping (`dspine_jax.page_pool`); the device
+sees only the page table. Table entries past a row's pages hold P, out of range, so a stray write
 there is dropped by the scatter instead of landing on another row's page.
 
 Shape legend: B batch, T new tokens, P pages in the pool, PS page size, PPS pages per row
@@ -22,76 +22,7 @@ import numpy as np
 from flax import struct
 
 from dspine_jax.config import TargetConfig
-from dspine_jax.errors import DSpineError
-
-DEFAULT_PAGE_SIZE = 16
-
-
-class OutOfPagesError(DSpineError, RuntimeError):
-    """The page pool cannot hold what a request needs."""
-
-
-def pages_needed(num_tokens: int, page_size: int) -> int:
-    return -(-num_tokens // page_size)
-
-
-class PagePool:
-    """Host-side allocator of one pool's pages to sequences (any hashable id).
-
-    Models that share a page table (a target and its drafter's context) share one pool:
-    the same page ids index each model's own pools.
-    """
-
-    def __init__(self, num_pages: int, page_size: int = DEFAULT_PAGE_SIZE):
-        if num_pages < 1 or page_size < 1:
-            raise ValueError(f"a page pool needs num_pages >= 1 and page_size >= 1, got "
-                             f"{num_pages} and {page_size}")
-        self.num_pages, self.page_size = num_pages, page_size
-        self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
-        self._owned: dict = {}
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def pages(self, seq) -> list[int]:
-        return list(self._owned.get(seq, ()))
-
-    def allocate(self, seq, num_tokens: int) -> list[int]:
-        """Grow `seq` to hold `num_tokens` positions; returns its pages, in order."""
-        owned = self._owned.setdefault(seq, [])
-        more = pages_needed(num_tokens, self.page_size) - len(owned)
-        if more > len(self._free):
-            raise OutOfPagesError(
-                f"out of KV pages: sequence {seq!r} needs {more} more page(s) of "
-                f"{self.page_size} tokens for {num_tokens} positions, but only "
-                f"{len(self._free)} of the pool's {self.num_pages} pages are free; use a "
-                "larger pool (num_pages), a smaller batch or fewer new tokens")
-        owned.extend(self._free.pop() for _ in range(max(0, more)))
-        return list(owned)
-
-    def rollback(self, seq, length: int) -> None:
-        """Keep positions [0, length): whole pages past it return to the pool."""
-        owned = self._owned.get(seq, [])
-        keep = pages_needed(length, self.page_size)
-        while len(owned) > keep:
-            self._free.append(owned.pop())
-
-    def free(self, seq) -> None:
-        self.rollback(seq, 0)
-        self._owned.pop(seq, None)
-
-    def page_table(self, seqs, width: int) -> np.ndarray:
-        """[len(seqs), width] int32: each sequence's pages, then P (out of range)."""
-        table = np.full((len(seqs), width), self.num_pages, np.int32)
-        for row, seq in enumerate(seqs):
-            pages = self._owned.get(seq, [])
-            if len(pages) > width:
-                raise ValueError(f"sequence {seq!r} owns {len(pages)} pages, more than the "
-                                 f"page table's width {width}")
-            table[row, :len(pages)] = pages
-        return table
-
+from dspine_jax.page_pool import DEFAULT_PAGE_SIZE, pages_needed
 
 @struct.dataclass
 class PagedKVCache:

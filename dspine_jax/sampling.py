@@ -15,7 +15,7 @@ import numpy as np
 from flax import struct
 
 from dspine_jax import row_keys
-from dspine_jax.errors import InputError
+from dspine_jax.runtime.requests import validate_sampling
 from pallas_kernels import switches
 from pallas_kernels import top_k as long_rows
 
@@ -82,16 +82,6 @@ def top_k_indices(x: jax.Array, k: int) -> jax.Array:
     becomes a full sort of each row there), grouped or in two stages over long rows on a
     GPU."""
     return long_rows.top_k(x, k)[1]
-
-
-def validate_sampling(temperature: float, top_p: float, top_k: int) -> None:
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)
-            and temperature >= 0):
-        raise InputError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-        raise InputError(f"top_p must be in (0, 1], got {top_p!r}")
-    if not (isinstance(top_k, int) and not isinstance(top_k, bool) and top_k >= 0):
-        raise InputError(f"top_k must be an integer >= 0 (0 disables it), got {top_k!r}")
 
 
 def _per_row(x: jax.Array, ndim: int) -> jax.Array:

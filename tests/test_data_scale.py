@@ -14,7 +14,7 @@ from dspine_jax.data.prompts import (conversation_of, fit_chat, is_held_out, jso
 from dspine_jax.data.shards import (Sequence, load_dataset, read_manifest, read_shard,
                                     token_dtype, write_manifest, write_shard)
 from dspine_jax.errors import InputError
-from dspine_jax.kv_cache import pages_needed
+from dspine_jax.page_pool import pages_needed
 from dspine_jax.runtime.offline import generate_tokens
 from pallas_kernels.switches import Switches
 from tests.conftest import save_hf_model, write_tiny_tokenizer

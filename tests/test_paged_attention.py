@@ -25,7 +25,8 @@ from dspine_jax.drafters.model import BlockDrafter
 from dspine_jax.engine import SpeculativeEngine
 from dspine_jax.errors import ConfigError
 from dspine_jax.generate import AutoregressiveGenerator
-from dspine_jax.kv_cache import OutOfPagesError, PagedKVCache, PagePool
+from dspine_jax.kv_cache import PagedKVCache
+from dspine_jax.page_pool import OutOfPagesError, PagePool
 from dspine_jax.target import TargetModel
 from dspine_jax.runtime.offline import generate_tokens
 

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from dspine_jax.errors import InputError
+from dspine_jax.runtime.requests import validate_sampling
 from dspine_jax.sampling import (SamplingParams, sample_tokens, target_probabilities,
-                                 top_k_indices, validate_sampling, warp_logits)
+                                 top_k_indices, warp_logits)
 from pallas_kernels.switches import Switches
 
 

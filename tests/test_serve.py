@@ -126,25 +126,25 @@ def test_engine_core_reads_a_step_while_the_next_is_queued(pipe, offline, monkey
     """The host reads a step's news only once the next step's calls are on the device's
     queue (the device never waits for the host while requests decode), the run still
     equals offline generation, and a finished row's extra call leaves its pages free."""
-    from dspine_jax.runtime import engine_core
+    from dspine_jax.runtime import runner
 
     core = EngineCore(pipe.decoder, max_slots=2, max_model_len=CONTEXT)
     queued, reads = [], []
     real_queue = core._queue_step
 
     def queue_step():
-        made = real_queue()
+        outputs, made = real_queue()
         queued.append(made)
-        return made
+        return outputs, made
 
-    real_get = engine_core.jax.device_get
+    real_get = runner.jax.device_get
 
     def device_get(x):
         reads.append(sum(queued))          # steps queued when this read began
         return real_get(x)
 
     monkeypatch.setattr(core, "_queue_step", queue_step)
-    monkeypatch.setattr(engine_core.jax, "device_get", device_get)
+    monkeypatch.setattr(runner.jax, "device_get", device_get)
     core.add_request("a", pipe.encode(PLAIN[0]), SamplingOptions(max_tokens=24))
     core.add_request("b", pipe.encode(PLAIN[1]), SamplingOptions(max_tokens=24))
     got = drain(core)
@@ -235,8 +235,9 @@ def test_decode_calls_are_compiled_per_sampling_mode(pipe, monkeypatch):
     generate's with its seed either way."""
     modes = []
     core = EngineCore(pipe.decoder, max_slots=SLOTS, max_model_len=CONTEXT)
-    spy = core._sampling_mode
-    monkeypatch.setattr(core, "_sampling_mode", lambda m: modes.append(spy(m)) or modes[-1])
+    spy = core._runner.sampling_mode
+    monkeypatch.setattr(core._runner, "sampling_mode",
+                        lambda m: modes.append(spy(m)) or modes[-1])
     ids = pipe.encode(PLAIN[2])
     offline = generate_tokens(pipe.decoder, [ids], max_new_tokens=12, temperature=1.0, seed=7,
                                     ignore_eos=True).generations[0].tokens

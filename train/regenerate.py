@@ -183,7 +183,7 @@ def slot_engine(decoder, max_slots: int, longest: int, num_pages: int | None = N
     every slot holding such a request at once, so no response is ever preempted; a
     smaller pool fits more slots in the same memory and preempts the newest response when
     it runs short (it is recomputed later from its own seed: the data do not change)."""
-    from dspine_jax.kv_cache import pages_needed
+    from dspine_jax.page_pool import pages_needed
     from dspine_jax.runtime.engine_core import EngineCore
 
     max_model_len = min(longest + decoder.extra_capacity,

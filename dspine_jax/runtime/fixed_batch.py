@@ -24,7 +24,8 @@ import numpy as np
 
 from dspine_jax.decoding import BatchDecoder, DecodeState, bucket
 from dspine_jax.errors import InputError
-from dspine_jax.kv_cache import pages_needed
+from dspine_jax.page_pool import pages_needed
+from dspine_jax.runtime import rows as row_fields
 from dspine_jax.runtime import slot_steps
 from dspine_jax.runtime.slots import SlotPages
 from dspine_jax.sampling import batch_sampling_mode
@@ -58,17 +59,17 @@ class FixedBatch:
         self._prefill_key = (shapes, b, t)
         self._empty = jax.jit(lambda: slot_steps.empty_state(decoder, self._table, num_pages,
                                                              max_model_len))
-        fields = len(slot_steps.PREFILL_FIELDS)
+        fields = len(row_fields.PREFILL_FIELDS)
         prefill = np.zeros((b, fields + t), np.int32)
         for i, p in enumerate(prompts):
-            prefill[i, :fields] = slot_steps.pad_row(
-                slot_steps.PREFILL_FIELDS, b, slot=i, q_len=len(p), first_chunk=True,
+            prefill[i, :fields] = row_fields.pad_row(
+                row_fields.PREFILL_FIELDS, b, slot=i, q_len=len(p), first_chunk=True,
                 start_slot=i, budget=max_new_tokens, seed=(seed + i) % 2 ** 32,
                 temperature=temperature, top_p=top_p, top_k=top_k, ignore_eos=ignore_eos)
             prefill[i, fields:fields + len(p)] = p
         self._prefill_rows = jnp.asarray(prefill)
-        self._decode_rows = jnp.asarray(np.stack([slot_steps.pad_row(
-            slot_steps.DECODE_FIELDS, b, slot=i, temperature=temperature, top_p=top_p,
+        self._decode_rows = jnp.asarray(np.stack([row_fields.pad_row(
+            row_fields.DECODE_FIELDS, b, slot=i, temperature=temperature, top_p=top_p,
             top_k=top_k, ignore_eos=ignore_eos) for i in range(b)]))
         with decoder.switches.active():
             self._mode = batch_sampling_mode(np.float32([temperature]), np.float32([top_p]),

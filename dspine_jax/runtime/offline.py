@@ -27,7 +27,7 @@ from typing import Callable, Iterator, Sequence
 
 from dspine_jax.decoding import BatchDecoder, BatchResult, Generation, bucket
 from dspine_jax.errors import InputError
-from dspine_jax.runtime import slot_steps
+from dspine_jax.runtime import rows
 from dspine_jax.runtime.engine_core import DEFAULT_PREFILL_CHUNK, EngineCore, SamplingOptions
 
 
@@ -50,8 +50,8 @@ def core_for(decoder: BatchDecoder, prompts: Sequence[Sequence[int]], max_new_to
     longest = max(len(p) for p in prompts)
     context = decoder.config.max_position_embeddings
     max_model_len = min(bucket(longest + max_new_tokens + decoder.extra_capacity), context)
-    chunk = slot_steps.bucket_up(min(max(longest, 1), DEFAULT_PREFILL_CHUNK),
-                                 slot_steps.row_buckets(DEFAULT_PREFILL_CHUNK, minimum=16))
+    chunk = rows.bucket_up(min(max(longest, 1), DEFAULT_PREFILL_CHUNK),
+                           rows.row_buckets(DEFAULT_PREFILL_CHUNK, minimum=16))
     policy = decoder.speculation_policy()
     return EngineCore(decoder, max_slots=min(max_slots, len(prompts)),
                       max_model_len=max_model_len, prefill_chunk=chunk,

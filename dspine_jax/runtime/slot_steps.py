@@ -13,7 +13,7 @@ call: its next request's first prefill chunk starts from an empty cache.
 
 Host work per call is kept small (the engine queues a step's calls before it reads the
 last step's, so host work hides behind the device only while it is shorter than a call):
-  * a call's per-row arguments travel as one int32 matrix (`pad_row`, `unpack_rows`;
+  * a call's per-row arguments travel as one int32 matrix (`rows.pad_row`, `unpack_rows`;
     floats as their bits), one host-to-device copy instead of one per argument, and the
     page table is uploaded only when it changed;
   * the weights travel as a flat tuple of arrays: flattening the decoder's nnx state
@@ -26,7 +26,7 @@ last step's, so host work hides behind the device only while it is shorter than 
 
 Compiled functions live with their decoder, not with one EngineCore: a server restarted
 in-process (or several cores over one pipeline) compiles nothing twice. Calls are padded
-to a few sizes (`row_buckets`: R and G in powers of 4, T from 16 in powers of 4 up to the
+to a few sizes (`rows.row_buckets`: R and G in powers of 4, T from 16 in powers of 4 up to the
 prefill chunk), each compiled ahead of time per (size, sampling mode) key, all of them at
 start-up in parallel.
 
@@ -45,65 +45,22 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from dspine_jax.decoding import BatchDecoder, DecodeState, request_keys
+from dspine_jax.runtime.rows import (BOOL_FIELDS, DECODE_FIELDS, FLOAT32_FIELDS, PREFILL_FIELDS,
+                                     UINT32_FIELDS)
 from dspine_jax.sampling import params_for_mode
-
-# The per-row fields of each call, the columns of its int32 row matrix.
-DECODE_FIELDS = ("slot", "temperature", "top_p", "top_k", "ignore_eos")
-PREFILL_FIELDS = ("slot", "q_len", "first_chunk", "start_slot", "budget", "seed",
-                  "temperature", "top_p", "top_k", "ignore_eos", "resume_token",
-                  "resume_count", "read")
-_FLOAT32 = ("temperature", "top_p")
-_UINT32 = ("seed",)
-_BOOL = ("ignore_eos", "first_chunk")
-
-
-def row_buckets(limit: int, minimum: int = 1) -> list[int]:
-    """Sizes a call is padded to: powers of 4 from `minimum` (and `limit` itself). Four
-    times as many rows costs a decode step little (it is bound by weight reads or launches:
-    1.13 ms at batch 1 and 1.19 ms at batch 8 for SmolLM2 on an H200), and each size is
-    one more program to compile at start-up."""
-    sizes, n = [], minimum
-    while n < limit:
-        sizes.append(n)
-        n *= 4
-    return sizes + [limit]
-
-
-def bucket_up(n: int, sizes: list[int]) -> int:
-    return next(s for s in sizes if s >= n)
-
-
-# ----- per-row arguments as one int32 matrix -------------------------------------------------
-def field_bits(name: str, value) -> int:
-    """A field's value as the int32 the row matrix holds."""
-    if name in _FLOAT32:
-        return int(np.float32(value).view(np.int32))
-    if name in _UINT32:
-        return int(np.uint32(value).view(np.int32))
-    return int(value)
-
-
-def pad_row(fields: tuple[str, ...], num_slots: int, **values) -> np.ndarray:
-    """[F] int32: a padding row (aimed at slot S, greedy, no resume), with `values`."""
-    defaults = dict(slot=num_slots, start_slot=num_slots, budget=1, top_p=1.0,
-                    resume_token=-1)
-    merged = {**defaults, **values}
-    return np.array([field_bits(f, merged.get(f, 0)) for f in fields], np.int32)
-
 
 def unpack_rows(rows: jax.Array, fields: tuple[str, ...]) -> dict[str, jax.Array]:
     """Row matrix [n, >= F] -> {field: [n]} in each field's own dtype."""
     out = {}
     for i, name in enumerate(fields):
         x = rows[:, i]
-        if name in _FLOAT32:
+        if name in FLOAT32_FIELDS:
             x = jax.lax.bitcast_convert_type(x, jnp.float32)
-        elif name in _UINT32:
+        elif name in UINT32_FIELDS:
             x = jax.lax.bitcast_convert_type(x, jnp.uint32)
-        elif name in _BOOL:
+        elif name in BOOL_FIELDS:
             x = x != 0
         out[name] = x
     return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dspine_jax.kv_cache import PagePool, pages_needed
+from dspine_jax.page_pool import PagePool, pages_needed
 
 
 class SlotPages:

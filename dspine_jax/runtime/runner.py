@@ -1,0 +1,119 @@
+"""The engine's device side: the state of S slots, the compiled calls, and the thread
+that runs them.
+
+The scheduler plans each call as an int32 row matrix (`scheduler.Call`); the runner
+uploads it (one host-to-device copy, and the page table only when it changed), runs the
+call's program (compiled once per shape key: slots, pages, rows, chunk, sampling mode,
+verify width; `slot_steps`) on the device state, and returns the future of its news,
+what each row gained in the call, for the engine to read back in one transfer.
+
+The calls run in a thread of their own: on a GPU a call's multi-pass loop holds the
+thread that launched it until its last pass is launched (the loop's exit test is read on
+the host every pass), so the engine plans and reads in its own thread meanwhile (the
+call releases the GIL). Only the runner thread touches the device state once serving
+has begun.
+
+Shape legend: S slots, R rows of a decode call, G rows of a prefill call, T prefill chunk.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dspine_jax.decoding import BatchDecoder
+from dspine_jax.runtime import rows as row_fields
+from dspine_jax.runtime import slot_steps
+from dspine_jax.runtime.scheduler import Call
+from dspine_jax.runtime.slots import SlotPages
+from dspine_jax.sampling import batch_sampling_mode
+
+
+class Runner:
+    def __init__(self, decoder: BatchDecoder, pages: SlotPages, max_model_len: int):
+        self.decoder = decoder
+        self.steps = slot_steps.compiled(decoder)
+        self._params = self.steps.params
+        # what shapes the state: a key of every compiled call (runners share a decoder's)
+        self.shapes = (pages.num_slots, pages.num_pages, max_model_len)
+        self._pages = pages
+        self._table = (-1, None)     # (SlotPages.version, the page table on the device)
+        self._state = slot_steps.empty_state(decoder, pages.table, pages.num_pages,
+                                             out_len=max_model_len)
+        # a decode call's pass count, by value: uploaded once, not per call
+        self._passes = {n: jnp.int32(n) for n in
+                        {decoder.steps_per_call, decoder.shared_steps_per_call, 1}}
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, "dspine-runner")
+
+    def sampling_mode(self, rows: np.ndarray) -> str:
+        """What a decode call's rows ask of the sampler (part of its key): all greedy (no
+        sampling is traced), sampled without top-k/top-p (no vocabulary threshold), or
+        filtered."""
+        fields = row_fields.DECODE_FIELDS
+        with self.decoder.switches.active():
+            return batch_sampling_mode(row_fields.column(rows, fields, "temperature"),
+                                       row_fields.column(rows, fields, "top_p"),
+                                       row_fields.column(rows, fields, "top_k"))
+
+    def submit(self, call: Call) -> concurrent.futures.Future:
+        """Queue a call on the runner thread; returns the future of its news [rows, ...]
+        (a device array, read later by `read`)."""
+        name, matrix, static = self._program(call)
+        inputs = (self._passes[call.passes],) if call.decode else ()
+        return self._thread.submit(self._run, name, self._key(call, static), self._page_table(),
+                                   jnp.asarray(matrix), inputs, static)
+
+    def read(self, futures: Sequence[concurrent.futures.Future]) -> list[np.ndarray]:
+        """The news of queued calls, in one device-to-host transfer."""
+        return jax.device_get([f.result() for f in futures])
+
+    def precompile(self, calls: Sequence[Call]) -> None:
+        """Compile each call's program (in parallel threads) without running it."""
+        todo = []
+        for call in calls:
+            name, matrix, static = self._program(call)
+            inputs = (self._passes[1],) if call.decode else ()
+            mode = static.pop("mode")
+            todo.append((name, self._key(call, {**static, "mode": mode}),
+                         (self._params, self._state, self._page_table(), jnp.asarray(matrix))
+                         + inputs, mode, static))
+        self.steps.precompile(todo)
+
+    def close(self) -> None:
+        """Stop the runner thread once its queued calls are done."""
+        self._thread.shutdown(wait=True)
+
+    # ----- inside ----------------------------------------------------------------------
+    def _program(self, call: Call) -> tuple[str, np.ndarray, dict]:
+        """(program name, row matrix, static arguments) of a call. Prefill traces the
+        general sampler for every group (one token per row costs little, and it keeps one
+        prefill variant per shape)."""
+        if call.decode:
+            mode = call.mode or self.sampling_mode(call.rows)
+            return "decode", call.rows, {"mode": mode, "width": call.width}
+        return "prefill", call.rows, {"mode": "filtered"}
+
+    def _key(self, call: Call, static: dict) -> tuple:
+        rows = call.rows.shape[0]
+        if call.decode:
+            return (self.shapes, rows, static["mode"], static["width"])
+        chunk = call.rows.shape[1] - len(row_fields.PREFILL_FIELDS)
+        return (self.shapes, rows, chunk)
+
+    def _page_table(self) -> jax.Array:
+        """The page table on the device, uploaded again only when a row of it changed."""
+        version, table = self._table
+        if version != self._pages.version:   # a copy: the host table changes in place
+            self._table = version, table = self._pages.version, jnp.array(self._pages.table)
+        return table
+
+    def _run(self, name: str, key, page_table, matrix, inputs: tuple,
+             static: dict) -> jax.Array:
+        """In the runner thread: one call on the device state."""
+        self._state, news = self.steps(name, key, self._params, self._state, page_table,
+                                       matrix, *inputs, **static)
+        return news

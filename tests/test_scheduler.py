@@ -1,0 +1,177 @@
+"""The engine's scheduler on its own, with no JAX and no device: admission, chunked
+prefill, page accounting, the passes of a call, preemption order, and how a call's news
+end requests. A fake device answers each planned call with the news a real one returns
+([rows, 3 + W + P]: tokens gained, passes, done, tokens, pass lengths)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from dspine_jax.errors import InputError
+from dspine_jax.runtime import rows as row_fields
+from dspine_jax.runtime.requests import QueueFull, SamplingOptions
+from dspine_jax.runtime.scheduler import DecoderSpec, Scheduler
+
+EOS = 99
+# an AR-like decoder: one position per pass, 4 passes per call alone, 2 when shared
+SPEC = DecoderSpec(vocab_size=100, context=256, page_size=16, extra_capacity=0,
+                   pass_positions=1, steps_per_call=4, shared_steps_per_call=2, eos=(EOS,),
+                   news_width=(5, 4))
+
+
+def scheduler(**kw) -> Scheduler:
+    return Scheduler(SPEC, **{"max_slots": 2, "max_model_len": 64, **kw})
+
+
+def options(max_tokens=8, **kw) -> SamplingOptions:
+    return SamplingOptions(max_tokens=max_tokens, seed=0, **kw)
+
+
+def news(call, gains: dict) -> np.ndarray:
+    """The call's news: gains[request_id] = (tokens, done), one token per pass."""
+    w, p = SPEC.news_width
+    out = np.zeros((len(call.requests), 3 + w + p), np.int32)
+    for i, r in enumerate(call.requests):
+        if r is None or r.request_id not in gains:
+            continue
+        tokens, done = gains[r.request_id]
+        passes = 0 if call.kind == "prefill" else len(tokens)
+        out[i, :3] = len(tokens), passes, done
+        out[i, 3:3 + len(tokens)] = tokens
+        out[i, 3 + w:3 + w + passes] = 1
+    return out
+
+
+def step(s: Scheduler, gains=lambda call, r: ([7], False)):
+    """Plan a step and answer every call at once: -> (calls, outputs by request id)."""
+    aborted, calls = s.schedule()
+    outs = {o.request_id: o for o in aborted}
+    for call in calls:
+        answer = {r.request_id: gains(call, r) for r in call.requests if r is not None}
+        for o in s.receive(call, news(call, answer))[0]:
+            outs[o.request_id] = o
+    return calls, outs
+
+
+def test_the_scheduler_imports_no_jax():
+    code = ("import sys; import dspine_jax.runtime.scheduler; "
+            "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_admission_is_oldest_first_and_bounded_by_slots():
+    s = scheduler()
+    for name in "abc":
+        s.add_request(name, [1, 2, 3], options())
+    calls, _ = step(s)
+    [prefill] = calls        # the prompts complete in this chunk: they decode next step
+    assert prefill.kind == "prefill"
+    assert [r.request_id for r in prefill.requests if r] == ["a", "b"]
+    assert s.num_waiting == 1 and s.num_running == 2
+    calls, _ = step(s)
+    assert [c.kind for c in calls] == ["decode"]
+    assert [r.request_id for r in calls[0].requests if r] == ["a", "b"]
+
+
+def test_a_long_prompt_prefills_in_chunks_while_others_decode():
+    s = scheduler(prefill_chunk=16)
+    s.add_request("long", list(range(1, 41)), options())
+    s.add_request("short", [1, 2], options())
+    chunks = []
+    for _ in range(3):
+        calls, _ = step(s)
+        prefill = next(c for c in calls if c.kind == "prefill")
+        q_len = row_fields.column(prefill.rows, row_fields.PREFILL_FIELDS, "q_len")
+        chunks.append(int(q_len[0]))
+        starting = [r.request_id for r in prefill.requests if r]
+        # the long prompt starts decoding only with its last chunk
+        assert ("long" in starting) == (len(chunks) == 3)
+        if len(chunks) > 1:   # the short one decodes meanwhile
+            assert any(c.kind == "decode" for c in calls)
+    assert chunks == [16, 16, 8]
+
+
+def test_a_call_holds_the_pages_its_passes_can_write():
+    """One row alone runs the decoder's most passes, two rows the shared count; each
+    request holds the pages for its cache plus the call's positions, and every page is
+    free once both finish."""
+    s = scheduler(max_model_len=64)
+    s.add_request("a", [1] * 14, options(max_tokens=20))
+    step(s)                                    # prefill: 14 positions, the first token
+    calls, _ = step(s)
+    assert calls[0].passes == SPEC.steps_per_call                 # alone: 4
+    assert s.pages.held(0) == 2   # 14 + 4 positions of the call, + 4 of the next: 22
+    s.add_request("b", [1, 2], options(max_tokens=3))
+    calls, _ = step(s)
+    decode = next(c for c in calls if c.decode)
+    assert decode.passes == SPEC.shared_steps_per_call            # someone waits: 2
+    for _ in range(20):
+        if not s.has_work():
+            break
+        step(s, gains=lambda call, r: ([7] * max(1, call.passes),
+                                       len(r.tokens) + max(1, call.passes) >= r.options.max_tokens))
+    assert not s.has_work()
+    assert s.pages.free_pages == s.pages.num_pages and s.used_tokens() == 0
+
+
+def test_the_newest_request_is_preempted_and_recomputed_from_its_tokens():
+    """A pool of one full request: the newest running request gives its pages back and
+    waits at the head of the queue; re-admitted, it prefills its prompt and every token
+    it emitted but the last (the anchor)."""
+    s = scheduler(max_slots=2, max_model_len=64, num_pages=4)
+    s.add_request("old", [1] * 30, options(max_tokens=30))
+    s.add_request("new", [2] * 30, options(max_tokens=30))
+    streamed = []                              # what "new" returned, as a client saw it
+    counter = iter(range(10, 90))
+
+    def gains(call, r):                        # distinct tokens, "old" ends once preempted
+        return [next(counter) for _ in range(max(1, call.passes))], \
+            bool(s.preemptions) and r.request_id == "old"
+
+    for _ in range(12):
+        _, outs = step(s, gains)
+        streamed += outs["new"].new_token_ids if "new" in outs else []
+        if s.preemptions:
+            break
+    assert s.preemptions == 1 and s.num_waiting == 1
+    [waiting] = list(s._waiting)
+    assert waiting.request_id == "new" and waiting.slot == -1 and len(streamed) > 1
+    while waiting.slot < 0:                    # "old" finishes, "new" comes back
+        step(s, gains)
+    assert waiting.fill == [2] * 30 + streamed[:-1]
+
+
+def test_news_end_requests_on_eos_budget_and_stop_tokens():
+    s = scheduler(max_slots=3)
+    s.add_request("eos", [1], options())
+    s.add_request("budget", [1], options(max_tokens=3))
+    s.add_request("stop", [1], options(stop_token_ids=(42,)))
+    step(s, gains=lambda call, r: ([7], False))
+    gains = {"eos": ([8, EOS], True), "budget": ([8, 9], True), "stop": ([8, 42, 9], False)}
+    _, outs = step(s, gains=lambda call, r: gains[r.request_id])
+    assert {k: (o.finish_reason, o.new_token_ids) for k, o in outs.items()} == {
+        "eos": ("stop", [8, EOS]), "budget": ("length", [8, 9]), "stop": ("stop", [8, 42])}
+    assert not s.has_work() and s.pages.free_pages == s.pages.num_pages
+
+
+def test_aborts_and_bad_requests():
+    s = scheduler(max_waiting=1)
+    s.add_request("a", [1], options())
+    with pytest.raises(QueueFull):
+        s.add_request("b", [1], options())
+    with pytest.raises(InputError, match="already in the engine"):
+        s.add_request("a", [1], options())
+    with pytest.raises(InputError, match="outside the vocabulary"):
+        s.check_request([100], options())
+    with pytest.raises(InputError, match="Lower max_tokens to at most 60"):
+        s.check_request([1] * 4, options(max_tokens=61))
+    with pytest.raises(InputError, match="num_pages must be at least 4"):
+        scheduler(num_pages=3)
+    assert s.abort("a") and not s.abort("a")
+    aborted, calls = s.schedule()
+    assert [(o.request_id, o.finish_reason) for o in aborted] == [("a", "abort")]
+    assert calls == [] and not s.has_work()
