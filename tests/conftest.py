@@ -14,6 +14,22 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_compiled_programs():
+    """After each test module, drop what it compiled: every XLA CPU executable maps its
+    code into the process, and one pytest process that kept them all would pass the
+    kernel's limit on memory mappings (LLVM then fails with "Cannot allocate memory")."""
+    yield
+    import gc
+
+    import jax
+
+    gc.collect()            # decoders (and their compiled calls) of the module's fixtures
+    jax.clear_caches()
+
+
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
           "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
