@@ -15,7 +15,6 @@ over every row (`steps_per_call` passes). The programs are `slot_steps`', keyed 
 
 from __future__ import annotations
 
-import time
 from typing import Sequence
 
 import jax
@@ -56,7 +55,7 @@ class FixedBatch:
         self._steps = slot_steps.compiled(decoder)
         shapes = (b, num_pages, max_model_len)
         t = bucket(longest)
-        self._prefill_key = (shapes, b, t)
+        self._prefill_key = slot_steps.prefill_key(shapes, b, t)
         self._empty = jax.jit(lambda: slot_steps.empty_state(decoder, self._table, num_pages,
                                                              max_model_len))
         fields = len(row_fields.PREFILL_FIELDS)
@@ -76,11 +75,7 @@ class FixedBatch:
                                              np.int32([top_k]))
         self._shapes = shapes
         self._passes = jnp.int32(decoder.steps_per_call)
-        compiled_before = self._steps.compile_seconds
-        started = time.perf_counter()
         jax.block_until_ready(self.decode(self.prefill()))     # both programs, run once
-        self.compile_seconds = self._steps.compile_seconds - compiled_before
-        self.first_run_seconds = time.perf_counter() - started
 
     def prefill(self) -> DecodeState:
         """A fresh state with every prompt prefilled and its first token emitted."""
@@ -92,7 +87,7 @@ class FixedBatch:
         """One decode call over every row (the state is donated), verifying `width` drafts
         per pass (None: the decoder's default)."""
         width = self.decoder.default_width() if width is None else width
-        state, _ = self._steps("decode", (self._shapes, len(self._decode_rows), self._mode,
-                                          width), self._steps.params, state, self._table,
+        key = slot_steps.decode_key(self._shapes, len(self._decode_rows), self._mode, width)
+        state, _ = self._steps("decode", key, self._steps.params, state, self._table,
                                self._decode_rows, self._passes, mode=self._mode, width=width)
         return state

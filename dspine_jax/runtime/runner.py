@@ -100,9 +100,9 @@ class Runner:
     def _key(self, call: Call, static: dict) -> tuple:
         rows = call.rows.shape[0]
         if call.decode:
-            return (self.shapes, rows, static["mode"], static["width"])
+            return slot_steps.decode_key(self.shapes, rows, static["mode"], static["width"])
         chunk = call.rows.shape[1] - len(row_fields.PREFILL_FIELDS)
-        return (self.shapes, rows, chunk)
+        return slot_steps.prefill_key(self.shapes, rows, chunk)
 
     def _page_table(self) -> jax.Array:
         """The page table on the device, uploaded again only when a row of it changed."""

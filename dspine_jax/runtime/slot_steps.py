@@ -112,7 +112,6 @@ class CompiledSteps:
         self._executables: dict = {}
         self.switches = decoder.switches
         self.compiles = 0            # programs compiled so far (a timed call must see none)
-        self.compile_seconds = 0.0   # spent compiling them (summed over compile threads)
         self._spans: list[tuple[float, float]] = []    # (start, end) of each compile
         self._lock = threading.Lock()
 
@@ -131,9 +130,14 @@ class CompiledSteps:
         ended = time.perf_counter()
         with self._lock:
             self.compiles += 1
-            self.compile_seconds += ended - started
             self._spans.append((started, ended))
         return executable
+
+    @property
+    def compile_seconds(self) -> float:
+        """Seconds spent compiling so far (summed over compile threads)."""
+        with self._lock:
+            return sum(b - a for a, b in self._spans)
 
     def compiling_within(self, start: float, end: float) -> float:
         """Seconds of [start, end] (perf_counter times) during which a program was being
@@ -161,6 +165,18 @@ class CompiledSteps:
             futures = {key: pool.submit(self._compile, key[0], *todo[key]) for key in todo}
             for key, future in futures.items():
                 self._executables[key] = future.result()
+
+
+def prefill_key(shapes: tuple, rows: int, chunk: int) -> tuple:
+    """The compile key of a prefill call: the state's shapes (slots, pages, output
+    buffer), its rows G and chunk T."""
+    return (shapes, rows, chunk)
+
+
+def decode_key(shapes: tuple, rows: int, mode: str, width: int | None) -> tuple:
+    """The compile key of a decode call: the state's shapes, its rows R, sampling mode
+    and verify width."""
+    return (shapes, rows, mode, width)
 
 
 def compiled(decoder: BatchDecoder) -> CompiledSteps:
