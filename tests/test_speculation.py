@@ -321,22 +321,19 @@ def test_a_seeded_sample_is_served_at_one_width():
 
 def test_info_speculation_costs(tiny_llama_dir, tiny_dspine_dir, tmp_path, monkeypatch):
     """`dspine info --speculation-costs` times every width, prints the width the policy
-    picks (the fastest within its tolerance), and a later pipeline starts from the file.
-    The command runs in a process of its own, as a user runs it (on a 2-core CPU, XLA
-    has crashed compiling its programs late in a long pytest process)."""
-    import subprocess
-    import sys
+    picks (the fastest within its tolerance), and a later pipeline starts from the file."""
+    from typer.testing import CliRunner
 
     from dspine_jax.api import Pipeline
+    from dspine_cli.main import app
 
     monkeypatch.setenv("DSPINE_CACHE_DIR", str(tmp_path / "cache"))
-    result = subprocess.run([
-        sys.executable, "-m", "dspine_cli", "info", "--speculation-costs", "--target",
-        str(tiny_llama_dir), "--drafter", str(tiny_dspine_dir), "--batch-size", "1",
-        "--batch-size", "2", "--acceptance", "0.9", "--dtype", "f32"],
-        capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout + result.stderr
-    report = json.loads(result.stdout)
+    result = CliRunner().invoke(app, [
+        "info", "--speculation-costs", "--target", str(tiny_llama_dir), "--drafter",
+        str(tiny_dspine_dir), "--batch-size", "1", "--batch-size", "2", "--acceptance", "0.9",
+        "--dtype", "f32"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
     assert report["acceptance"] == [0.9] * 3 and list(report["batch_sizes"]) == ["1", "2"]
     for row in report["batch_sizes"].values():
         assert set(row["ms_per_pass"]) == {"0", "1", "3"}
