@@ -12,6 +12,7 @@ import typer
 import jax.numpy as jnp
 
 from dspine_jax import cli_options as options
+from dspine_jax.compile_cache import use_compile_cache
 from dspine_jax.errors import ConfigError, DSpineError, InputError
 from dspine_jax.registry import DEFAULT_TARGET
 
@@ -70,6 +71,7 @@ def generate(
     speculation: Optional[str] = options.speculation(),
     max_verify_width: Optional[int] = options.max_verify_width(),
     passes_per_call: Optional[int] = options.passes_per_call(),
+    compile_cache_dir: str = options.compile_cache_dir(),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per prompt on stdout."),
 ):
     """Generate text: autoregressive, or speculative with a DFlash or DSpine drafter."""
@@ -86,6 +88,7 @@ def generate(
                              "the message to answer)")
         prompts = ([Prompt(prompt, chat)] if prompt is not None
                    else read_prompts_file(prompts_file, chat))
+        use_compile_cache(compile_cache_dir)
         pipe = Pipeline.load(target, drafter, method=method, dtype=dtype,
                              steps_per_call=passes_per_call, attention_backend=attention_backend,
                              proposal=proposal, proposal_kernel=proposal_kernel,
@@ -173,6 +176,7 @@ def evaluate_command(
     proposal_kernel: str = options.proposal_kernel(),
     speculation: Optional[str] = options.speculation(default="fixed"),
     max_verify_width: Optional[int] = options.max_verify_width(),
+    compile_cache_dir: str = options.compile_cache_dir(),
 ):
     """Acceptance length, tokens/s and speedup over AR on the benchmark suite."""
     try:
@@ -185,6 +189,7 @@ def evaluate_command(
         unknown = [b for b in names if b not in BENCHMARKS]
         if unknown:
             raise InputError(f"unknown benchmark(s) {unknown}; known: {', '.join(BENCHMARKS)}")
+        use_compile_cache(compile_cache_dir)
         evaluate(target, drafter, names, out, temperature=temperature,
                  max_new_tokens=max_new_tokens, limit=limit, batch_size=batch_size, seed=seed,
                  dtype=dtype, max_prompt_tokens=max_prompt_tokens,
@@ -530,19 +535,14 @@ def serve_command(
         None, "--api-key", envvar="DSPINE_API_KEY", metavar="KEY", show_default=False,
         help="Require 'Authorization: Bearer KEY' on every route but /health (401 "
              "otherwise). Default: $DSPINE_API_KEY, else none."),
-    compile_cache_dir: Optional[str] = typer.Option(
-        None, "--compile-cache-dir", metavar="DIR|none", show_default=False,
-        help="JAX's persistent compilation cache, so a restart reuses compiled programs. "
-             "Default: jax-compile-cache in the cache folder (DSPINE_CACHE_DIR); none: off."),
+    compile_cache_dir: str = options.compile_cache_dir(),
 ):
     """Serve /v1/completions and /v1/chat/completions (streaming too), /v1/models, /health
     and /metrics over one target, decoded AR or speculatively."""
     try:
         from dspine_jax.api import Pipeline, load_target
-        from dspine_jax.registry import cache_dir
-
         try:
-            from dspine_serve.server import bind, is_loopback, run, use_compile_cache
+            from dspine_serve.server import bind, is_loopback, run
         except ImportError as e:
             raise ConfigError(f"serving needs the serve extra: pip install 'dspine-jax[serve]' "
                               f"({e})") from e
@@ -557,8 +557,7 @@ def serve_command(
         if not api_key and not is_loopback(host):
             typer.echo(f"warning: serving on {host} without --api-key: anyone who reaches "
                        f"port {port} can use the model", err=True)
-        use_compile_cache(compile_cache_dir if compile_cache_dir is not None
-                          else str(cache_dir() / "jax-compile-cache"))
+        use_compile_cache(compile_cache_dir)
         pipe = Pipeline.from_choice(load_target(target, dtype=dtype), choice, passes_per_call,
                                     serving=True,
                                     attention_backend=attention_backend, proposal=proposal,

@@ -82,6 +82,14 @@ def num_pages(default: str):
              f"when they run out. Default: {default}")
 
 
+def compile_cache_dir():
+    return typer.Option(
+        "default", "--compile-cache-dir", metavar="DIR|none",
+        help="JAX's persistent compilation cache, so the next run of the same shapes "
+             "loads its programs instead of compiling them. Default: jax-compile-cache in "
+             "the cache folder (DSPINE_CACHE_DIR); none: off.")
+
+
 def speculation(default: str = "adaptive"):
     return typer.Option(
         None, "--speculation", metavar="adaptive|fixed|off", show_default=False,

@@ -17,7 +17,6 @@ import ipaddress
 import logging
 import socket
 import time
-from pathlib import Path
 
 import uvicorn
 
@@ -87,22 +86,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return host == "localhost"
-
-
-def use_compile_cache(folder: str | None) -> str | None:
-    """JAX's persistent compilation cache in `folder` (None or "none": off), so a restart
-    loads the programs it compiled before. -> the folder in use."""
-    if folder is None or folder.lower() == "none":
-        return None
-    import jax
-
-    path = Path(folder).expanduser()
-    path.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    # every program of the server, however quick its compile: a restart needs them all
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    return str(path)
 
 
 def run(pipeline, *, model_name: str, sock: socket.socket, max_slots: int = 8,

@@ -15,6 +15,15 @@ if not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_persistent_compile_cache():
+    """The commands turn JAX's persistent compilation cache on for their process; in
+    pytest's one process that would write every later test's programs to disk. Tests
+    of the cache run the commands in a process of their own."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("dspine_cli.main.use_compile_cache", lambda folder: None)
+        yield
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _free_compiled_programs():

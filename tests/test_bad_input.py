@@ -258,8 +258,6 @@ def test_proposal_options_reach_the_pipeline(monkeypatch, tmp_path, command):
     monkeypatch.setattr("dspine_jax.api.Pipeline.load", stop)
     monkeypatch.setattr("dspine_jax.api.Pipeline.from_choice", stop)     # serve's load
     monkeypatch.setattr("dspine_jax.api.load_target", lambda *a, **k: None)
-    # serve turns JAX's persistent compilation cache on for its process: not for pytest's
-    monkeypatch.setattr("dspine_serve.server.use_compile_cache", lambda folder: None)
     monkeypatch.setattr("dspine_jax.evaluation.run.evaluate", stop)
     line = [a.format(tmp=tmp_path) for a in PROPOSAL_COMMANDS[command]]
     drafter = ["--drafter", "smollm2-135m-instruct-dspine"]

@@ -113,3 +113,31 @@ def test_static_batches_take_long_calls_and_the_slot_engine_short_ones(loaded, t
     assert steps(tiny_dspine_dir, serving=True, steps_per_call=2) == (2, 2)
     with pytest.raises(InputError, match="steps_per_call"):
         Pipeline.from_loaded(loaded, steps_per_call=0)
+
+
+@pytest.mark.parametrize("slots", [4, 2])
+def test_compile_ahead_covers_what_the_run_takes(loaded, tiny_dspine_dir, monkeypatch, slots):
+    """On an accelerator an offline run compiles its programs in parallel before it
+    starts: a static batch (4 slots) then compiles nothing on first use, and a run that
+    refills its slots (2) at most its refills' prefill shapes; the tokens are AR's."""
+    from dspine_jax.runtime import engine_core, offline
+
+    pipe = Pipeline.from_loaded(loaded, tiny_dspine_dir, speculation=SpeculationConfig("fixed"))
+    steps = slot_steps.compiled(pipe.decoder)
+    ahead = []
+    real = engine_core.EngineCore.compile_ahead
+
+    def spy(core, *args):
+        real(core, *args)
+        ahead.append(steps.compiles)
+
+    monkeypatch.setattr(offline.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(engine_core.EngineCore, "compile_ahead", spy)
+    prompts = PROMPTS[:4]
+    results = pipe.generate(prompts, max_new_tokens=12, batch_size=slots, ignore_eos=True)
+    assert len(ahead) == 1 and ahead[0] > 0
+    later = steps.compiles - ahead[0]
+    assert later == 0 if slots == 4 else later <= 1
+    ar = Pipeline.from_loaded(loaded, method="ar").generate(prompts, max_new_tokens=12,
+                                                            batch_size=4, ignore_eos=True)
+    assert [r.tokens for r in results] == [r.tokens for r in ar]

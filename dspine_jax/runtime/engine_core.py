@@ -235,6 +235,18 @@ class EngineCore:
                                       passes)
         return outputs
 
+    def compile_ahead(self, decode_rows: Sequence[int], modes: Sequence[str],
+                      prefills) -> None:
+        """Compile, in parallel, the decode call of each row bucket in `decode_rows` x
+        sampling mode x verify width, and the prefill call of each (rows, chunk) in
+        `prefills` (buckets both), without running them."""
+        s = self.scheduler
+        calls = [Call("decode", s.idle_rows[np.full((rows,), self.max_slots)],
+                      [None] * rows, width=width, passes=1, mode=mode)
+                 for rows, mode, width in itertools.product(decode_rows, modes, s.widths)]
+        calls += [Call("prefill", s.prefill_matrix(g, t), [None] * g) for g, t in prefills]
+        self._runner.precompile(calls)
+
     def warmup(self, modes: Sequence[str] = SAMPLING_MODES) -> float:
         """Compile before serving: every decode call (each row bucket x sampling mode in
         `modes`; a caller that knows its requests never filter, or never sample, leaves
@@ -245,13 +257,7 @@ class EngineCore:
             raise InputError(f"unknown sampling modes {unknown}; choose from {SAMPLING_MODES}")
         t0 = time.perf_counter()
         s = self.scheduler
-        calls = []
-        for rows, mode, width in itertools.product(s.row_sizes, modes, s.widths):
-            calls.append(Call("decode", s.idle_rows[np.full((rows,), self.max_slots)],
-                              [None] * rows, width=width, passes=1, mode=mode))
-        for g, t in itertools.product(s.row_sizes, s.chunk_sizes):
-            calls.append(Call("prefill", s.prefill_matrix(g, t), [None] * g))
-        self._runner.precompile(calls)
+        self.compile_ahead(s.row_sizes, modes, itertools.product(s.row_sizes, s.chunk_sizes))
         n = max(1, min(8, self.max_model_len - self.decoder.extra_capacity - 2))
         self.add_request("__warmup", [0] * n, SamplingOptions(
             max_tokens=2, temperature=0.0, seed=0, ignore_eos=True))

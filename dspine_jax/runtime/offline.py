@@ -10,8 +10,9 @@ decodes the same number of tokens: each row advances by its own accepted length 
 pass, so a static batch of 8 runs as many passes as its slowest row.
 
 Each slot can hold the longest prompt plus `max_new_tokens` (plus the verify block), so
-nothing is preempted. Programs compile on first use, only the shapes a run takes, and
-`seconds` leaves the compilation out. Every decode call runs the decoder's most passes
+nothing is preempted. On an accelerator the programs a run will likely take compile in
+parallel before it starts; on the CPU they compile on first use, only the shapes a run
+takes. `seconds` leaves the compilation out. Every decode call runs the decoder's most passes
 (`steps_per_call`); only `dspine serve` shortens them while rows share a call.
 
 Prompt i samples from seed + i, as a served request with that seed does: a sampled
@@ -25,10 +26,13 @@ import collections
 import time
 from typing import Callable, Iterator, Sequence
 
+import jax
+
 from dspine_jax.decoding import BatchDecoder, BatchResult, Generation, bucket
 from dspine_jax.errors import InputError
 from dspine_jax.runtime import rows
 from dspine_jax.runtime.engine_core import DEFAULT_PREFILL_CHUNK, EngineCore, SamplingOptions
+from dspine_jax.sampling import batch_sampling_mode
 
 
 def core_for(decoder: BatchDecoder, prompts: Sequence[Sequence[int]], max_new_tokens: int,
@@ -75,9 +79,36 @@ def stream_tokens(decoder: BatchDecoder, prompts: Sequence[Sequence[int]], *,
                 core.check_request(prompt, option)
             except InputError as e:
                 raise InputError(f"prompt {i}: {e}") from None
+        if jax.default_backend() != "cpu":
+            _compile_ahead(core, prompts, options[0])
         return (yield from _decode(core, prompts, options))
     finally:
         core.close()
+
+
+def _compile_ahead(core: EngineCore, prompts, options: SamplingOptions) -> None:
+    """Compile the programs the run will most likely reach, in parallel (XLA compiles
+    without the GIL): the decode calls of every row bucket up to the first wave's (rows
+    finish one by one), and the prefill calls of the first wave and of each later
+    admission. A program missed here compiles on first use. Not on the CPU, where the
+    compile threads would take the cores the run needs and compiling on first use
+    leaves out the shapes a run never takes."""
+    s = core.scheduler
+    first = min(core.max_slots, len(prompts))
+    chunk = lambda n: rows.bucket_up(min(n, s.prefill_chunk), s.chunk_sizes)  # noqa: E731
+    prefills = {(rows.bucket_up(first, s.row_sizes),
+                 chunk(max(len(p) for p in prompts[:first])))}
+    later = prompts[first:]
+    prefills |= {(s.row_sizes[0], chunk(len(p))) for p in later}
+    if later:       # rows that finish together are refilled together
+        prefills.add((rows.bucket_up(min(first, len(later)), s.row_sizes),
+                      chunk(max(len(p) for p in later))))
+    prefills |= {(g, s.prefill_chunk) for g, _ in list(prefills)
+                 if max(len(p) for p in prompts) > s.prefill_chunk}
+    with core.decoder.switches.active():
+        mode = batch_sampling_mode([options.temperature], [options.top_p], [options.top_k])
+    decode_rows = [r for r in s.row_sizes if r <= rows.bucket_up(first, s.row_sizes)]
+    core.compile_ahead(decode_rows, [mode], sorted(prefills))
 
 
 def _decode(core: EngineCore, prompts, options) -> Iterator[tuple[int, list[int]]]:
