@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -100,7 +101,7 @@ def generate(
             results = pipe.generate(prompts, batch_size=batch_size, **sampling)
             for result in results:
                 print(json.dumps({**result.to_json(pipe.method),
-                                  "runtime": pipe.runtime.to_json()})
+                                  "runtime": pipe.runtime.to_json(), "engine": result.engine})
                       if as_json else result.text)
             cut = [i for i, r in enumerate(results, 1) if r.finish_reason == "length"]
             if cut and not as_json:  # JSON carries finish_reason itself
@@ -541,6 +542,8 @@ def serve_command(
     and /metrics over one target, decoded AR or speculatively."""
     try:
         from dspine_jax.api import Pipeline, load_target
+        from dspine_jax.runtime.config import EngineConfig
+
         try:
             from dspine_serve.server import bind, is_loopback, run
         except ImportError as e:
@@ -553,6 +556,8 @@ def serve_command(
             target, drafter, method=method, dtype=dtype, attention_backend=attention_backend,
             proposal=proposal, proposal_kernel=proposal_kernel,
             speculation=options.speculation_config(speculation, max_verify_width))
+        engine = EngineConfig(max_slots=max_slots, max_model_len=max_model_len,
+                              num_pages=num_pages, prefill_chunk=prefill_chunk)
         sock = bind(host, port)       # a busy port fails now, not after the compiling
         if not api_key and not is_loopback(host):
             typer.echo(f"warning: serving on {host} without --api-key: anyone who reaches "
@@ -567,10 +572,9 @@ def serve_command(
         if max_model_len is not None and max_model_len > context:
             raise InputError(f"--max-model-len {max_model_len} is past the model's context "
                              f"of {context}")
-        max_model_len = max_model_len or min(context, 2048)
-        run(pipe, model_name=served_model_name or target, sock=sock, max_slots=max_slots,
-            max_model_len=max_model_len, max_queue=max_queue, num_pages=num_pages,
-            prefill_chunk=prefill_chunk, grace_seconds=grace_seconds, api_key=api_key)
+        engine = dataclasses.replace(engine, max_model_len=max_model_len or min(context, 2048))
+        run(pipe, engine, model_name=served_model_name or target, sock=sock,
+            max_queue=max_queue, grace_seconds=grace_seconds, api_key=api_key)
     except DSpineError as e:
         _fail(e)
 

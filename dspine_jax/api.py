@@ -157,6 +157,7 @@ class Result:
     compile_seconds: float
     batch_size: int          # slots: prompts decoded at once
     verify_widths: dict[int, int] = dataclasses.field(default_factory=dict)  # width: passes
+    engine: dict = dataclasses.field(default_factory=dict)   # the engine's EngineConfig
 
     @property
     def num_tokens(self) -> int:
@@ -328,4 +329,4 @@ class Pipeline:
                       prompt_tokens=g.prompt_tokens, finish_reason=g.finish_reason,
                       accept_lengths=g.accept_lengths, seconds=batch.seconds,
                       compile_seconds=batch.compile_seconds, batch_size=batch_size,
-                      verify_widths=g.verify_widths)
+                      verify_widths=g.verify_widths, engine=batch.engine)

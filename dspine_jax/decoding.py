@@ -99,6 +99,7 @@ class BatchResult:
     prefill_seconds: float = 0.0  # of `seconds`: until the first tokens are read
     steps: int = 0                # engine steps (each: a prefill and/or a decode call)
     preemptions: int = 0
+    engine: dict = dataclasses.field(default_factory=dict)  # the EngineConfig it ran on
 
 
 def request_keys(seeds: jax.Array, rows: jax.Array) -> jax.Array:

@@ -22,7 +22,7 @@ import uvicorn
 
 from dspine_jax.errors import InputError
 from dspine_serve.app import create_app
-from dspine_jax.runtime.engine_core import DEFAULT_PREFILL_CHUNK, EngineCore
+from dspine_jax.runtime.engine_core import EngineConfig, EngineCore
 from dspine_serve.engine_loop import EngineLoop
 
 log = logging.getLogger("dspine_serve")
@@ -41,20 +41,17 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def build(pipeline, *, model_name: str, max_slots: int = 8, max_model_len: int | None = None,
-          max_queue: int = 256, num_pages: int | None = None,
-          prefill_chunk: int = DEFAULT_PREFILL_CHUNK, warmup: str | None = "now",
-          api_key: str | None = None, on_ready=None):
-    """(app, engine) for a loaded `Pipeline`. warmup: "now" compiles before returning,
-    "background" in the engine thread once the app starts (/health answers 503 "starting"
-    until it is done, then on_ready(seconds) is called), None not at all. num_pages: the
-    KV page pool the slots share (default: a full max_model_len for every slot);
-    prefill_chunk: prompt tokens prefilled per step and request; api_key: see
-    `create_app`."""
+def build(pipeline, engine_config: EngineConfig = EngineConfig(), *, model_name: str,
+          max_queue: int = 256, warmup: str | None = "now", api_key: str | None = None,
+          on_ready=None):
+    """(app, engine) for a loaded `Pipeline` over an engine of `engine_config`. warmup:
+    "now" compiles before returning, "background" in the engine thread once the app
+    starts (/health answers 503 "starting" until it is done, then on_ready(seconds) is
+    called), None not at all. max_queue: requests waiting for a slot before HTTP 429;
+    api_key: see `create_app`."""
     if warmup not in ("now", "background", None):
         raise ValueError(f"warmup must be 'now', 'background' or None, got {warmup!r}")
-    core = EngineCore(pipeline.decoder, max_slots=max_slots, max_model_len=max_model_len,
-                      num_pages=num_pages, prefill_chunk=prefill_chunk)
+    core = EngineCore(pipeline.decoder, engine_config)
     if warmup == "now":
         seconds = core.warmup()
         log.info("compiled in %.1fs", seconds)
@@ -88,10 +85,9 @@ def is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def run(pipeline, *, model_name: str, sock: socket.socket, max_slots: int = 8,
-        max_model_len: int | None = None, max_queue: int = 256, num_pages: int | None = None,
-        prefill_chunk: int = DEFAULT_PREFILL_CHUNK, grace_seconds: float = 30.0,
-        api_key: str | None = None, log_level: str = "info") -> None:
+def run(pipeline, engine_config: EngineConfig, *, model_name: str, sock: socket.socket,
+        max_queue: int = 256, grace_seconds: float = 30.0, api_key: str | None = None,
+        log_level: str = "info") -> None:
     """Serve on `sock` (from `bind`) at once: the programs compile in the engine thread
     while /health answers 503 "starting"."""
     t0 = time.perf_counter()
@@ -101,14 +97,12 @@ def run(pipeline, *, model_name: str, sock: socket.socket, max_slots: int = 8,
         print(f"ready: compiled in {seconds:.1f}s ({time.perf_counter() - t0:.1f}s after "
               "listening)", flush=True)
 
-    app, engine = build(pipeline, model_name=model_name, max_slots=max_slots,
-                        max_model_len=max_model_len, max_queue=max_queue,
-                        num_pages=num_pages, prefill_chunk=prefill_chunk,
+    app, engine = build(pipeline, engine_config, model_name=model_name, max_queue=max_queue,
                         warmup="background", api_key=api_key, on_ready=ready)
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace_seconds,
                             lifespan="on", access_log=False)
     server = DrainingServer(config, engine)
-    print(f"serving {model_name} ({pipeline.method}, {max_slots} slots, context "
+    print(f"serving {model_name} ({pipeline.method}, {engine_config.max_slots} slots, context "
           f"{engine.core.max_model_len}, {engine.core.num_pages} KV pages of "
           f"{pipeline.decoder.page_size}) on http://{host}:{port}; compiling: /health "
           "answers 503 until ready", flush=True)

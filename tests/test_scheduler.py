@@ -14,7 +14,7 @@ import pytest
 from dspine_jax.errors import InputError
 from dspine_jax.runtime import rows as row_fields
 from dspine_jax.runtime.requests import QueueFull, SamplingOptions
-from dspine_jax.runtime.scheduler import DecoderSpec, Scheduler
+from dspine_jax.runtime.scheduler import DecoderSpec, EngineConfig, Scheduler
 
 EOS = 99
 # an AR-like decoder: one position per pass, 4 passes per call alone, 2 when shared
@@ -24,7 +24,7 @@ SPEC = DecoderSpec(vocab_size=100, context=256, page_size=16, extra_capacity=0,
 
 
 def scheduler(**kw) -> Scheduler:
-    return Scheduler(SPEC, **{"max_slots": 2, "max_model_len": 64, **kw})
+    return Scheduler(SPEC, EngineConfig(**{"max_slots": 2, "max_model_len": 64, **kw}))
 
 
 def options(max_tokens=8, **kw) -> SamplingOptions:
@@ -175,3 +175,22 @@ def test_aborts_and_bad_requests():
     aborted, calls = s.schedule()
     assert [(o.request_id, o.finish_reason) for o in aborted] == [("a", "abort")]
     assert calls == [] and not s.has_work()
+
+
+@pytest.mark.parametrize("bad, name", [
+    (dict(max_slots=0), "max_slots"), (dict(max_slots=2.5), "max_slots"),
+    (dict(max_model_len=-1), "max_model_len"), (dict(num_pages=0), "num_pages"),
+    (dict(prefill_chunk=0), "prefill_chunk"), (dict(max_waiting=-1), "max_waiting"),
+    (dict(verify_widths=(-1, 3)), "verify_widths"), (dict(max_slots=True), "max_slots")])
+def test_engine_config_names_a_bad_value(bad, name):
+    with pytest.raises(InputError, match=name):
+        EngineConfig(**bad)
+
+
+def test_scheduler_keeps_the_resolved_config():
+    s = scheduler(max_model_len=None, max_slots=3)
+    assert s.config.max_model_len == SPEC.context
+    assert s.config.num_pages == 3 * -(-SPEC.context // SPEC.page_size)
+    assert s.config.verify_widths is None and s.config.max_slots == 3
+    with pytest.raises(InputError, match="num_pages must be at least"):
+        scheduler(num_pages=1)

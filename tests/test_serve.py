@@ -34,7 +34,7 @@ from dspine_jax.checkpoints import load_target  # noqa: E402
 from dspine_jax.errors import InputError  # noqa: E402
 from dspine_jax.speculative.policy import SpeculationConfig  # noqa: E402
 from dspine_serve.detokenizer import IncrementalDetokenizer  # noqa: E402
-from dspine_jax.runtime.engine_core import EngineCore, SamplingOptions  # noqa: E402
+from dspine_jax.runtime.engine_core import EngineConfig, EngineCore, SamplingOptions  # noqa: E402
 from dspine_jax.runtime.offline import generate_tokens  # noqa: E402
 from dspine_serve.server import DrainingServer, build  # noqa: E402
 from pallas_kernels.switches import Switches  # noqa: E402
@@ -101,7 +101,7 @@ def gather(outputs, out: dict) -> dict:
 def test_engine_core_equals_offline_generate(pipe, offline):
     """More requests than slots, each with its own max_tokens: rows are admitted as others
     finish, and every row equals Pipeline.generate token for token (acceptance too)."""
-    core = EngineCore(pipe.decoder, max_slots=SLOTS, max_model_len=CONTEXT)
+    core = EngineCore(pipe.decoder, EngineConfig(max_slots=SLOTS, max_model_len=CONTEXT))
     prompts = PLAIN + PLAIN[:4]
     budgets = [24, 5, 17, 1, 24, 9, 12, 24, 3, 24, 20, 7]
     for i, (p, n) in enumerate(zip(prompts, budgets)):
@@ -128,7 +128,7 @@ def test_engine_core_reads_a_step_while_the_next_is_queued(pipe, offline, monkey
     equals offline generation, and a finished row's extra call leaves its pages free."""
     from dspine_jax.runtime import runner
 
-    core = EngineCore(pipe.decoder, max_slots=2, max_model_len=CONTEXT)
+    core = EngineCore(pipe.decoder, EngineConfig(max_slots=2, max_model_len=CONTEXT))
     queued, reads = [], []
     real_queue = core._queue_step
 
@@ -166,7 +166,7 @@ def test_a_row_alone_runs_the_longest_calls(pipe):
     assert (decoder.steps_per_call, decoder.shared_steps_per_call) == (16, 8)
 
     def passes_per_call(prompts):
-        core = EngineCore(decoder, max_slots=2, max_model_len=CONTEXT)
+        core = EngineCore(decoder, EngineConfig(max_slots=2, max_model_len=CONTEXT))
         for i, p in enumerate(prompts):
             core.add_request(str(i), ar.encode(p), SamplingOptions(max_tokens=40,
                                                                    ignore_eos=True))
@@ -181,7 +181,7 @@ def test_a_row_alone_runs_the_longest_calls(pipe):
 
 
 def test_engine_core_abort_stop_tokens_and_checks(pipe, offline):
-    core = EngineCore(pipe.decoder, max_slots=SLOTS, max_model_len=CONTEXT)
+    core = EngineCore(pipe.decoder, EngineConfig(max_slots=SLOTS, max_model_len=CONTEXT))
     ids = pipe.encode(PLAIN[0])
     ref = offline[("plain", 0)]
     stop = ref.tokens[5]
@@ -216,7 +216,7 @@ def test_engine_core_abort_stop_tokens_and_checks(pipe, offline):
 
 def test_seeded_request_is_the_same_alone_and_under_load(pipe):
     """Each slot has its own RNG key: a seeded request does not depend on its neighbours."""
-    core = EngineCore(pipe.decoder, max_slots=SLOTS, max_model_len=CONTEXT)
+    core = EngineCore(pipe.decoder, EngineConfig(max_slots=SLOTS, max_model_len=CONTEXT))
     options = SamplingOptions(max_tokens=20, temperature=0.9, top_p=0.95, seed=1234)
     ids = pipe.encode(PLAIN[1])
     core.add_request("alone", ids, options)
@@ -234,7 +234,7 @@ def test_decode_calls_are_compiled_per_sampling_mode(pipe, monkeypatch):
     the warp_unfiltered switch off) the general one; a seeded request's tokens equal offline
     generate's with its seed either way."""
     modes = []
-    core = EngineCore(pipe.decoder, max_slots=SLOTS, max_model_len=CONTEXT)
+    core = EngineCore(pipe.decoder, EngineConfig(max_slots=SLOTS, max_model_len=CONTEXT))
     spy = core._runner.sampling_mode
     monkeypatch.setattr(core._runner, "sampling_mode",
                         lambda m: modes.append(spy(m)) or modes[-1])
@@ -272,8 +272,8 @@ def test_admission_waits_for_pages_not_only_slots(pipe, ar):
     """A pool of one full-length request's pages: long prompts are admitted as pages free
     up, not as slots do; every output equals AR greedy, and every page comes back."""
     per_slot = CONTEXT // pipe.decoder.page_size
-    core = EngineCore(pipe.decoder, max_slots=SLOTS, max_model_len=CONTEXT,
-                      num_pages=per_slot)
+    core = EngineCore(pipe.decoder, EngineConfig(max_slots=SLOTS, max_model_len=CONTEXT,
+                      num_pages=per_slot))
     prompts = [pipe.encode(LONG + " " + w) for w in ("a", "b", "c", "d")]
     assert all(len(p) > 100 for p in prompts)
     for i, ids in enumerate(prompts):
@@ -288,13 +288,15 @@ def test_admission_waits_for_pages_not_only_slots(pipe, ar):
     stats = core.stats()
     assert stats.free_pages == stats.num_pages == per_slot and stats.used_tokens == 0
     with pytest.raises(InputError, match="num_pages"):
-        EngineCore(pipe.decoder, max_slots=2, max_model_len=CONTEXT, num_pages=per_slot - 1)
+        EngineCore(pipe.decoder, EngineConfig(max_slots=2, max_model_len=CONTEXT,
+                                              num_pages=per_slot - 1))
 
 
 def test_chunked_prefill_equals_offline_and_interleaves_with_decoding(pipe, ar):
     """A prompt of 7 chunks prefills over 7 steps while a running request keeps decoding;
     its output equals offline generate and AR greedy."""
-    core = EngineCore(pipe.decoder, max_slots=SLOTS, max_model_len=CONTEXT, prefill_chunk=16)
+    core = EngineCore(pipe.decoder, EngineConfig(max_slots=SLOTS, max_model_len=CONTEXT,
+                                                 prefill_chunk=16))
     long_ids = pipe.encode(LONG)
     assert 96 < len(long_ids) <= 112
     core.add_request("short", pipe.encode(PLAIN[0]), SamplingOptions(max_tokens=120,
@@ -329,11 +331,12 @@ def test_preemption_recomputes_requests_without_changing_them(pipe, ar, method):
     prompts = [pipe.encode(p) for p in PLAIN]
     sampled = SamplingOptions(max_tokens=40, temperature=0.8, seed=99, ignore_eos=True)
 
-    alone = EngineCore(decoder, max_slots=SLOTS, max_model_len=CONTEXT)
+    alone = EngineCore(decoder, EngineConfig(max_slots=SLOTS, max_model_len=CONTEXT))
     alone.add_request("s", prompts[1], sampled)
     alone_tokens = drain(alone)["s"][0]
 
-    core = EngineCore(decoder, max_slots=SLOTS, max_model_len=CONTEXT, num_pages=per_slot)
+    core = EngineCore(decoder, EngineConfig(max_slots=SLOTS, max_model_len=CONTEXT,
+                                            num_pages=per_slot))
     for i, ids in enumerate(prompts):
         core.add_request(f"r{i}", ids, SamplingOptions(max_tokens=60, ignore_eos=True))
     core.add_request("s", prompts[1], sampled)
@@ -391,8 +394,8 @@ class Served:
     """uvicorn in a thread on 127.0.0.1 (a free port), over an app from `build`."""
 
     def __init__(self, pipe, *, max_queue=64, grace=30.0, **options):
-        self.app, self.engine = build(pipe, model_name="tiny", max_slots=SLOTS,
-                                      max_model_len=CONTEXT, max_queue=max_queue, **options)
+        self.app, self.engine = build(pipe, EngineConfig(max_slots=SLOTS, max_model_len=CONTEXT),
+                                      model_name="tiny", max_queue=max_queue, **options)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
@@ -509,6 +512,9 @@ def test_64_concurrent_streaming_clients_match_offline(pipe, offline, served):
     assert stats["runtime"] == pipe.runtime.to_json()
     assert (stats["runtime"]["method"], stats["runtime"]["attention_backend"],
             stats["runtime"]["speculation"]["speculation"]) == ("dspine", "xla", "fixed")
+    assert {k: stats["engine"][k] for k in ("max_slots", "max_model_len", "num_pages")} == {
+        "max_slots": SLOTS, "max_model_len": CONTEXT, "num_pages": stats["num_pages"]}
+    assert stats["engine"]["verify_widths"] == list(stats["verify_widths"])
     metrics = httpx.get(served.url + "/metrics").text
     assert "dspine_accept_length_count" in metrics
     assert "dspine_time_to_first_token_seconds_count" in metrics

@@ -257,7 +257,7 @@ def test_serving_engine_follows_the_cost_table(cheap):
     """A slot engine under adaptive speculation verifies no draft where the table says a
     plain step is cheaper, the whole block where speculation is; T = 0 tokens are AR's
     either way."""
-    from dspine_jax.runtime.engine_core import EngineCore
+    from dspine_jax.runtime.engine_core import EngineConfig, EngineCore
 
     target, drafter = build(kind="dspine", block=8)
     ar = AutoregressiveGenerator(target, eos_token_ids=[0])
@@ -268,7 +268,7 @@ def test_serving_engine_follows_the_cost_table(cheap):
     for rows in (1, 2, 4):         # a table where `cheap` is far the faster width
         for width in (0, 7):
             engine.policy.costs.set(rows, width, 1.0 if width == cheap else 100.0)
-    core = EngineCore(engine, max_slots=4, max_model_len=64)
+    core = EngineCore(engine, EngineConfig(max_slots=4, max_model_len=64))
     assert core.stats().verify_widths == (0, 7) and core.stats().speculation == "adaptive"
     got, widths = serve_all(core, PROMPTS[:4], max_tokens=16)
     assert got == want
@@ -279,14 +279,14 @@ def test_serving_engine_follows_the_cost_table(cheap):
 def test_serving_warmup_teaches_the_policy_nothing():
     """Warm-up runs each program's first call (one-time device setup included) on a dummy
     prompt: neither its times nor its acceptance reach the policy; served requests do."""
-    from dspine_jax.runtime.engine_core import EngineCore
+    from dspine_jax.runtime.engine_core import EngineConfig, EngineCore
 
     target, drafter = build(kind="dspine", block=8)
     engine = SpeculativeEngine(target, drafter, eos_token_ids=[0], steps_per_call=2,
                                speculation=SpeculationConfig("adaptive"))
     engine.policy.costs = CostTable()
     prior = engine.policy.pool.alpha()
-    core = EngineCore(engine, max_slots=2, max_model_len=64)
+    core = EngineCore(engine, EngineConfig(max_slots=2, max_model_len=64))
     core.warmup(modes=("greedy",))
     assert engine.policy.costs.samples == {} and engine.policy.pool.alpha() == prior
     assert core.stats().speculation_costs == {}
@@ -302,7 +302,7 @@ def test_serving_warmup_teaches_the_policy_nothing():
 
 
 def test_a_seeded_sample_is_served_at_one_width():
-    from dspine_jax.runtime.engine_core import EngineCore
+    from dspine_jax.runtime.engine_core import EngineConfig, EngineCore
 
     target, drafter = build(kind="dspine", block=8)
     engine = SpeculativeEngine(target, drafter, eos_token_ids=[0], steps_per_call=2,
@@ -311,11 +311,11 @@ def test_a_seeded_sample_is_served_at_one_width():
     for rows in (1, 2, 4):         # plain steps would be far cheaper
         engine.policy.costs.set(rows, 0, 1.0)
         engine.policy.costs.set(rows, 7, 100.0)
-    alone, widths = serve_all(EngineCore(engine, max_slots=4, max_model_len=64),
+    alone, widths = serve_all(EngineCore(engine, EngineConfig(max_slots=4, max_model_len=64)),
                               PROMPTS[:1], max_tokens=16, temperature=1.0, seed=5)
     assert {w for ws in widths.values() for w in ws} == {7}
-    crowd, _ = serve_all(EngineCore(engine, max_slots=4, max_model_len=64), PROMPTS[:4],
-                         max_tokens=16, temperature=1.0, seed=5)
+    crowd, _ = serve_all(EngineCore(engine, EngineConfig(max_slots=4, max_model_len=64)),
+                         PROMPTS[:4], max_tokens=16, temperature=1.0, seed=5)
     assert crowd[0] == alone[0]
 
 

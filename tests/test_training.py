@@ -179,6 +179,9 @@ def test_training_learns_and_exports(workspace, tmp_path):
         "dspine", "sparse", "adaptive")
     assert spec["speculation"]["widths"][0] == 0 and spec["switches"] == plain["switches"]
     assert (plain["method"], plain["proposal"], plain["speculation"]) == ("ar", None, None)
+    # and the engine it ran on: one slot, a context sized for the prompt and 6 tokens
+    engine = json.loads(gen.stdout)["engine"]
+    assert engine["max_slots"] == 1 and 6 < engine["max_model_len"] <= 64
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dspine"])

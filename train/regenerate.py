@@ -184,14 +184,14 @@ def slot_engine(decoder, max_slots: int, longest: int, num_pages: int | None = N
     smaller pool fits more slots in the same memory and preempts the newest response when
     it runs short (it is recomputed later from its own seed: the data do not change)."""
     from dspine_jax.page_pool import pages_needed
-    from dspine_jax.runtime.engine_core import EngineCore
+    from dspine_jax.runtime.engine_core import EngineConfig, EngineCore
 
     max_model_len = min(longest + decoder.extra_capacity,
                         decoder.config.max_position_embeddings)
     if num_pages is None:
         num_pages = max_slots * pages_needed(max_model_len, decoder.page_size)
-    return EngineCore(decoder, max_slots=max_slots, max_model_len=max_model_len,
-                      num_pages=num_pages)
+    return EngineCore(decoder, EngineConfig(max_slots=max_slots, max_model_len=max_model_len,
+                                            num_pages=num_pages))
 
 
 def sampling_modes(temperatures: list[float], top_p: float) -> list[str]:

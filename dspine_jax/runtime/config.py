@@ -1,9 +1,17 @@
-"""What a decoder runs with, in one frozen record: the method, the weights' dtype, the
-attention backend it resolved to, passes per host call, the KV page size, the proposal
-path and kernel and the speculation settings of a drafter, and the kernel switches. It is
-read off a built decoder (`RuntimeConfig.of`), so it says what runs rather than what was
-asked for ("auto" resolved where the decoder resolves it), and it is what
-`dspine generate --json` ("runtime") and `/health` print.
+"""What an engine runs with, in two frozen records.
+
+`RuntimeConfig`: the decoder's choices (the method, the weights' dtype, the attention
+backend it resolved to, passes per host call, the KV page size, the proposal path and
+kernel and the speculation settings of a drafter, and the kernel switches). It is read off
+a built decoder (`RuntimeConfig.of`), so it says what runs rather than what was asked for
+("auto" resolved where the decoder resolves it).
+
+`EngineConfig`: the engine's (slots, the longest request, the page pool, the prefill
+chunk, the waiting queue, the verify widths compiled). It is checked when it is made; the
+engine core keeps the resolved copy (defaults filled in).
+
+Both are what `dspine generate --json` ("runtime", "engine") and `/health` print, and
+every compiled program's shape follows from them.
 """
 
 from __future__ import annotations
@@ -11,6 +19,10 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+
+from dspine_jax.errors import InputError
+
+DEFAULT_PREFILL_CHUNK = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +53,46 @@ class RuntimeConfig:
                    speculation=({**speculative.to_json(), "widths": list(decoder.widths)}
                                 if speculative is not None else None),
                    switches=decoder.switches.to_json())
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _positive(name: str, value, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        raise InputError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """The engine's choices. None: the default the engine resolves (max_model_len: the
+    model's context; num_pages: a full max_model_len for every slot; max_waiting: no
+    limit; verify_widths: the two ends of adaptive speculation's set, or the whole set
+    for an offline run)."""
+    max_slots: int = 8                        # requests decoded together (rows)
+    max_model_len: int | None = None          # prompt + output positions per request
+    num_pages: int | None = None              # KV pages the slots share
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK    # prompt tokens per request and step
+    max_waiting: int | None = None            # requests queued for a slot, at most
+    verify_widths: tuple[int, ...] | None = None  # widths adaptive speculation picks from
+
+    def __post_init__(self):
+        _positive("max_slots", self.max_slots)
+        _positive("max_model_len", self.max_model_len, optional=True)
+        _positive("num_pages", self.num_pages, optional=True)
+        _positive("prefill_chunk", self.prefill_chunk)
+        if self.max_waiting is not None and (not isinstance(self.max_waiting, int)
+                                             or self.max_waiting < 0):
+            raise InputError(f"max_waiting must be a non-negative integer, "
+                             f"got {self.max_waiting!r}")
+        if self.verify_widths is not None:
+            widths = tuple(sorted({int(w) for w in self.verify_widths}))
+            if not widths or widths[0] < 0:
+                raise InputError(f"verify_widths must be non-negative integers, "
+                                 f"got {self.verify_widths!r}")
+            object.__setattr__(self, "verify_widths", widths)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

@@ -34,15 +34,14 @@ import numpy as np
 from dspine_jax.decoding import BatchDecoder
 from dspine_jax.errors import InputError
 from dspine_jax.runtime import slot_steps
-from dspine_jax.runtime.config import RuntimeConfig
+from dspine_jax.runtime.config import DEFAULT_PREFILL_CHUNK, EngineConfig, RuntimeConfig
 from dspine_jax.runtime.requests import (FINISH_REASONS, QueueFull, RequestOutput,
                                          SamplingOptions)
 from dspine_jax.runtime.runner import Runner
-from dspine_jax.runtime.scheduler import (DEFAULT_PREFILL_CHUNK, Call, DecoderSpec,
-                                          Scheduler)
+from dspine_jax.runtime.scheduler import Call, DecoderSpec, Scheduler
 from dspine_jax.sampling import SAMPLING_MODES
 
-__all__ = ["DEFAULT_PREFILL_CHUNK", "EngineCore", "EngineStats", "FINISH_REASONS",
+__all__ = ["DEFAULT_PREFILL_CHUNK", "EngineConfig", "EngineCore", "EngineStats", "FINISH_REASONS",
            "QueueFull", "RequestOutput", "SamplingOptions"]
 
 
@@ -59,6 +58,7 @@ class EngineStats:
     speculation: str | None = None    # adaptive, fixed or off; None for AR
     verify_widths: tuple[int, ...] = ()   # the widths decode calls may verify
     runtime: dict = dataclasses.field(default_factory=dict)   # RuntimeConfig.to_json()
+    engine: dict = dataclasses.field(default_factory=dict)    # EngineConfig.to_json()
     # adaptive speculation's view: ms per pass by call rows and width (the median of the
     # latest calls), and the per-slot acceptance pooled over every request
     speculation_costs: dict = dataclasses.field(default_factory=dict)
@@ -89,35 +89,31 @@ class _Step:
 class EngineCore:
     """Continuous batching over `max_slots` slots sharing a pool of `num_pages` pages."""
 
-    def __init__(self, decoder: BatchDecoder, *, max_slots: int = 8,
-                 max_model_len: int | None = None, max_waiting: int | None = None,
-                 num_pages: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 verify_widths: Sequence[int] | None = None):
-        """num_pages: the shared pool's size; default max_slots x pages of max_model_len
-        (every slot can hold a full-length request). prefill_chunk: prompt tokens a
-        request prefills per step. verify_widths: the widths adaptive speculation chooses
-        from (default: the two ends of its set, each a program per row bucket and
-        sampling mode for `warmup` to compile; offline runs compile on first use and
-        take the whole set)."""
+    def __init__(self, decoder: BatchDecoder, config: EngineConfig = EngineConfig()):
+        """config: slots, request length, page pool, prefill chunk, queue, and the widths
+        adaptive speculation chooses from (default: the two ends of its set, each a
+        program per row bucket and sampling mode for `warmup` to compile; offline runs
+        take the whole set). `self.config` is the resolved copy."""
         policy = decoder.speculation_policy()
         if policy is None:
             widths = (decoder.default_width(),)
-        elif verify_widths is None:
+        elif config.verify_widths is None:
             widths = (policy.widths[0], policy.widths[-1])
         else:
-            unknown = sorted(set(verify_widths) - set(policy.widths))
+            unknown = sorted(set(config.verify_widths) - set(policy.widths))
             if unknown:
                 raise InputError(f"verify widths {unknown} are not compiled by this "
                                  f"decoder (it has {list(policy.widths)})")
-            widths = tuple(sorted(set(verify_widths)))
+            widths = config.verify_widths
         spec = DecoderSpec.of(decoder, slot_steps.news_width(decoder))
-        self.scheduler = Scheduler(spec, max_slots=max_slots, max_model_len=max_model_len,
-                                   max_waiting=max_waiting, num_pages=num_pages,
-                                   prefill_chunk=prefill_chunk, policy=policy, widths=widths)
+        self.scheduler = Scheduler(spec, config, policy=policy, widths=widths)
+        self.config = dataclasses.replace(
+            self.scheduler.config,
+            verify_widths=tuple(w for w in widths if w is not None) or None)
         self.decoder = decoder
-        self.max_slots = max_slots
+        self.max_slots = config.max_slots
         self.max_model_len = self.scheduler.max_model_len
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk = config.prefill_chunk
         self._runner = Runner(decoder, self.scheduler.pages, self.max_model_len)
         self._policy = policy
         self._queued: collections.deque[_Step] = collections.deque()  # steps not read yet
@@ -180,7 +176,8 @@ class EngineCore:
                            self.decoder.speculation.mode,
                            verify_widths=tuple(w for w in self.scheduler.widths
                                                if w is not None),
-                           runtime=self._runtime, **self._policy_view())
+                           runtime=self._runtime, engine=self.config.to_json(),
+                           **self._policy_view())
 
     def _policy_view(self) -> dict:
         if self._policy is None:

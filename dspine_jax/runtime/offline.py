@@ -31,7 +31,8 @@ import jax
 from dspine_jax.decoding import BatchDecoder, BatchResult, Generation, bucket
 from dspine_jax.errors import InputError
 from dspine_jax.runtime import rows
-from dspine_jax.runtime.engine_core import DEFAULT_PREFILL_CHUNK, EngineCore, SamplingOptions
+from dspine_jax.runtime.engine_core import (DEFAULT_PREFILL_CHUNK, EngineConfig, EngineCore,
+                                            SamplingOptions)
 from dspine_jax.sampling import batch_sampling_mode
 
 
@@ -57,9 +58,9 @@ def core_for(decoder: BatchDecoder, prompts: Sequence[Sequence[int]], max_new_to
     chunk = rows.bucket_up(min(max(longest, 1), DEFAULT_PREFILL_CHUNK),
                            rows.row_buckets(DEFAULT_PREFILL_CHUNK, minimum=16))
     policy = decoder.speculation_policy()
-    return EngineCore(decoder, max_slots=min(max_slots, len(prompts)),
-                      max_model_len=max_model_len, prefill_chunk=chunk,
-                      verify_widths=policy.widths if policy else None)
+    return EngineCore(decoder, EngineConfig(
+        max_slots=min(max_slots, len(prompts)), max_model_len=max_model_len,
+        prefill_chunk=chunk, verify_widths=policy.widths if policy else None))
 
 
 def stream_tokens(decoder: BatchDecoder, prompts: Sequence[Sequence[int]], *,
@@ -148,7 +149,7 @@ def _decode(core: EngineCore, prompts, options) -> Iterator[tuple[int, list[int]
     return BatchResult(generations=generations, seconds=seconds,
                        compile_seconds=compile_seconds,
                        prefill_seconds=prefill, steps=steps,
-                       preemptions=core.preemptions)
+                       preemptions=core.preemptions, engine=core.config.to_json())
 
 
 def generate_tokens(decoder: BatchDecoder, prompts: Sequence[Sequence[int]], *,

@@ -46,10 +46,12 @@ import numpy as np
 from dspine_jax.errors import InputError
 from dspine_jax.page_pool import pages_needed
 from dspine_jax.runtime import rows as row_fields
+from dspine_jax.runtime.config import DEFAULT_PREFILL_CHUNK, EngineConfig
 from dspine_jax.runtime.requests import QueueFull, RequestOutput, SamplingOptions
 from dspine_jax.runtime.slots import SlotPages
 
-DEFAULT_PREFILL_CHUNK = 512
+__all__ = ["Call", "DEFAULT_PREFILL_CHUNK", "DecoderSpec", "EngineConfig", "Request",
+           "Scheduler"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,34 +130,32 @@ class Call:
 class Scheduler:
     """Continuous batching over `max_slots` slots sharing a pool of `num_pages` pages."""
 
-    def __init__(self, spec: DecoderSpec, *, max_slots: int = 8,
-                 max_model_len: int | None = None, max_waiting: int | None = None,
-                 num_pages: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    def __init__(self, spec: DecoderSpec, config: EngineConfig = EngineConfig(), *,
                  policy=None, widths: tuple = (None,)):
-        """policy: the `SpeculationPolicy` choosing widths (None: `widths[0]` always);
-        widths: the verify widths decode calls may take (the programs compiled)."""
-        max_model_len = max_model_len or spec.context
-        if not isinstance(max_slots, int) or max_slots < 1:
-            raise InputError(f"max_slots must be a positive integer, got {max_slots!r}")
-        if not 0 < max_model_len <= spec.context:
+        """config: checked against the decoder here, and kept resolved (`self.config`:
+        max_model_len and num_pages filled in); policy: the `SpeculationPolicy` choosing
+        widths (None: `widths[0]` always); widths: the verify widths decode calls may take
+        (the programs compiled)."""
+        max_model_len = config.max_model_len or spec.context
+        if not max_model_len <= spec.context:
             raise InputError(f"max_model_len must be in [1, {spec.context}] (the model's "
                              f"context), got {max_model_len}")
         if max_model_len <= spec.extra_capacity + 1:
             raise InputError(f"max_model_len {max_model_len} leaves no room for a prompt and "
                              f"the {spec.extra_capacity}-token verify block")
         per_slot = pages_needed(max_model_len, spec.page_size)
-        num_pages = max_slots * per_slot if num_pages is None else num_pages
-        if not isinstance(num_pages, int) or num_pages < per_slot:
+        num_pages = config.num_pages or config.max_slots * per_slot
+        if num_pages < per_slot:
             raise InputError(f"num_pages must be at least {per_slot} (one request of "
                              f"max_model_len {max_model_len} in pages of {spec.page_size}), "
                              f"got {num_pages!r}")
-        if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
-            raise InputError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
+        self.config = dataclasses.replace(config, max_model_len=max_model_len,
+                                          num_pages=num_pages)
         self.spec = spec
-        self.max_slots = max_slots
+        max_slots = self.max_slots = config.max_slots
         self.max_model_len = max_model_len
-        self.max_waiting = max_waiting
-        self.prefill_chunk = prefill_chunk
+        self.max_waiting = config.max_waiting
+        self.prefill_chunk = config.prefill_chunk
         self.policy = policy
         self.widths = widths
         self.preemptions = 0
@@ -163,7 +163,7 @@ class Scheduler:
         # dummy prompt, neither a cost nor an acceptance
         self.learning = True
         self.row_sizes = row_fields.row_buckets(max_slots)
-        self.chunk_sizes = row_fields.row_buckets(prefill_chunk, minimum=16)
+        self.chunk_sizes = row_fields.row_buckets(config.prefill_chunk, minimum=16)
         self.pages = SlotPages(max_slots, num_pages, spec.page_size, max_model_len)
         self._waiting: collections.deque[Request] = collections.deque()
         self._running: dict[int, Request] = {}      # slot -> request
