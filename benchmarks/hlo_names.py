@@ -14,6 +14,8 @@ import re
 from pathlib import Path
 
 INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%([\w.\-]+) = .*?metadata=\{op_name="([^"]*)"')
+BARE = re.compile(r'^\s*(?:ROOT\s+)?%([\w.\-]+) = .*?calls=%([\w.\-]+)')
+HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 
 
 def dump_hlo_to(folder: Path, module: str) -> None:
@@ -30,15 +32,29 @@ def dumped_modules(folder: Path, module: str) -> set[str]:
 
 
 def op_names(text: str) -> dict[str, str]:
-    """{instruction name, and its kernel spelling: op_name} of one module's HLO text."""
-    names = {}
+    """{instruction name, and its kernel spelling: op_name} of one module's HLO text. A
+    fusion whose own line has no metadata (XLA's CPU fusions often drop it) takes the
+    op_name of the first instruction of its fused computation that has one."""
+    names, first_in = {}, {}
+    computation, unnamed = "", []
     for line in text.splitlines():
+        header = HEADER.match(line)
+        if header:
+            computation = header.group(1)
+            continue
         match = INSTRUCTION.match(line)
         if match:
             name, op = match.groups()
             names.setdefault(name, op)
-            names.setdefault(name.replace(".", "_"), op)
-    return names
+            first_in.setdefault(computation, op)
+            continue
+        bare = BARE.match(line)
+        if bare:
+            unnamed.append(bare.groups())
+    for name, called in unnamed:
+        if called in first_in:
+            names.setdefault(name, first_in[called])
+    return {**names, **{n.replace(".", "_"): op for n, op in names.items()}}
 
 
 def module_op_names(folder: Path, files: set[str]) -> dict[str, str]:

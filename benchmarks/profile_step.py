@@ -1,5 +1,6 @@
 """Where a decoding step spends its time: a jax.profiler trace of compiled AR steps and
-speculative passes, summarised as the top operations by time per pass.
+speculative passes, summarised as a roofline table of op groups and the top operations
+by time per pass.
 
   python -m dspine_benchmarks.profile_step --target preset:qwen3-8b --methods ar dspine \\
       --batch 1 --context 1024 --attention-backend pallas --out profile.json
@@ -10,7 +11,11 @@ trace JAX writes: device kernels on a GPU, XLA's per-op events on a CPU. Operati
 grouped by name (fusions keep XLA's names, kernels their own), summed, divided by the
 number of passes, and listed with their share of the traced device time and the JAX
 operation each runs (from the optimised HLO XLA dumps into `--trace-dir`/hlo,
-`hlo_names`). The trace folder stays in `--trace-dir` for Perfetto or TensorBoard.
+`hlo_names`). The roofline table (`roofline`) sums them by op group (attention, the
+QKV/O/MLP GEMMs, norms, lm_head, the draft layers, the proposal, acceptance, sampling)
+with each group's bytes and FLOPs from the same HLO, and its achieved share of the copy
+bandwidth and matmul rate measured at the start of the run. The trace folder stays in
+`--trace-dir` for Perfetto or TensorBoard.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from dspine_benchmarks import hlo_names
+from dspine_benchmarks import hlo_names, roofline
 from dspine_benchmarks.decode_step import load_jax_target, with_context
 from dspine_benchmarks.spec_step import add_step_args, make_decoder, sampling_options
 
@@ -77,7 +82,7 @@ def top_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def profile(method: str, model, config, args, trace_dir: Path) -> dict:
+def profile(method: str, model, config, args, trace_dir: Path, peaks: dict) -> dict:
     from dspine_jax.runtime.fixed_batch import FixedBatch
 
     context = args.context or args.prompt_len
@@ -101,11 +106,19 @@ def profile(method: str, model, config, args, trace_dir: Path) -> dict:
     [path] = sorted(folder.rglob("*.trace.json.gz"))[-1:]
     with gzip.open(path) as f:
         trace = json.load(f)
-    names = hlo_names.module_op_names(hlo, hlo_names.dumped_modules(hlo, "decode") - earlier)
-    summary = summarise(device_events(trace), passes, args.top, names)
+    modules = hlo_names.dumped_modules(hlo, "decode") - earlier
+    names = hlo_names.module_op_names(hlo, modules)
+    events = device_events(trace)
+    summary = summarise(events, passes, args.top, names)
+    # the target's attention must read its KV cache over the context, not the whole pools
+    q_len = 1 if method == "ar" else args.block_size
+    kv_bytes = (config.num_hidden_layers * args.batch * (context + q_len) * 2
+                * config.num_key_value_heads * config.head_dim * np.dtype(decoder.dtype).itemsize)
+    groups = roofline.group_rows(events, passes, names, roofline.module_costs(hlo, modules),
+                                 peaks, bytes_override={"attention": float(kv_bytes)})
     return {"method": method, "attention_backend": decoder.attention.name, "batch": args.batch,
             "context": context, "temperature": args.temperature, "passes": passes,
-            "trace": str(path), **summary}
+            "trace": str(path), **summary, "groups": groups}
 
 
 def main(argv=None):
@@ -115,17 +128,21 @@ def main(argv=None):
     trace_dir = Path(args.trace_dir or tempfile.mkdtemp(prefix="dspine-profile-"))
     hlo_names.dump_hlo_to(trace_dir / "hlo", "decode")  # before anything compiles
     model, config, _ = load_jax_target(args.target, args.dtype, positions)
+    peaks = roofline.measure_peaks()
+    print(f"peaks, measured here: copy {peaks['copy_gb_s']:.0f} GB/s, matmul "
+          f"{peaks['matmul_tflop_s']:.1f} TFLOP/s ({peaks['dtype']})")
     results = []
     for method in args.methods:
-        result = profile(method, model, config, args, trace_dir)
+        result = profile(method, model, config, args, trace_dir, peaks)
         results.append(result)
         print(f"\n{method} ({result['attention_backend']}, batch {args.batch}, context "
               f"{context}, T {args.temperature:g}): {result['device_us_per_pass']:.0f} us of "
               "device time per pass")
+        print(roofline.group_table(result["groups"]))
         print(top_table(result["top"]))
     if args.out:
         Path(args.out).write_text(json.dumps({"target": args.target, "device": str(
-            jax.devices()[0]), "results": results}, indent=2))
+            jax.devices()[0]), "peaks": peaks, "results": results}, indent=2))
 
 
 if __name__ == "__main__":

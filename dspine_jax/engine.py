@@ -140,27 +140,31 @@ class SpeculativeEngine(BatchDecoder):
         """-> the proposal, and the state whose context pages hold the block's keys."""
         drafter, target = self.drafter(params), self.target(params)
         e_out = target.output_embedding()
-        out = drafter.draft_block(state.last_token, state.caches[1], target.input_embedding(),
-                                  e_out, attention=self.attention)
+        with jax.named_scope("draft"):
+            out = drafter.draft_block(state.last_token, state.caches[1],
+                                      target.input_embedding(), e_out, attention=self.attention)
         state = state.replace(caches=(state.caches[0], out.context))
-        proposal = drafter.proposer(self.proposal_impl, self.proposal_kernel).propose(
-            out, state.last_token, e_out, sampling, rng)
+        with jax.named_scope("proposal"):
+            proposal = drafter.proposer(self.proposal_impl, self.proposal_kernel).propose(
+                out, state.last_token, e_out, sampling, rng)
         return proposal, state
 
     def verify(self, params, state: DecodeState, proposal: Proposal, sampling, rng):
         block = jnp.concatenate([state.last_token[:, None], proposal.tokens], axis=1)
         out = self.target(params)(block, state.caches[0], attention=self.attention,
                                   hidden_layer_ids=self.layer_ids)
-        if self.proposal_impl == "dense":
-            p = target_probabilities(out.logits, sampling)
-            return verify(proposal.tokens, proposal.dense_q(), p, rng), out
-        return verify_logits(proposal, out.logits, sampling, rng), out
+        with jax.named_scope("accept"):
+            if self.proposal_impl == "dense":
+                p = target_probabilities(out.logits, sampling)
+                return verify(proposal.tokens, proposal.dense_q(), p, rng), out
+            return verify_logits(proposal, out.logits, sampling, rng), out
 
     def plain_step(self, params, state: DecodeState, sampling, rng):
         """Width 0: the target alone on the anchor, its token sampled as AR samples it."""
         out = self.target(params)(state.last_token[:, None], state.caches[0],
                                   attention=self.attention, hidden_layer_ids=self.layer_ids)
-        token = sample_tokens(out.logits[:, 0], sampling, rng)
+        with jax.named_scope("sample"):
+            token = sample_tokens(out.logits[:, 0], sampling, rng)
         b = token.shape[0]
         proposal = Proposal(tokens=jnp.zeros((b, 0), jnp.int32),
                             q=jnp.zeros((b, 0, 1), jnp.float32))
@@ -173,13 +177,15 @@ class SpeculativeEngine(BatchDecoder):
         n = verdict.num_accepted
         kept = jnp.where(active, n + 1, 0)             # anchor + accepted drafts enter caches
         target_cache = target_out.cache.replace(lengths=target_cache.lengths + kept)
-        context = self.drafter(params).extend_context(
-            context, target_out.features(), kept, attention=self.attention)
+        with jax.named_scope("draft"):      # the drafter's context KV of the kept tokens
+            context = self.drafter(params).extend_context(
+                context, target_out.features(), kept, attention=self.attention)
         # Emitted: the accepted drafts, then the target's token.
-        tokens = jnp.concatenate([proposal.tokens, jnp.zeros_like(n)[:, None]], 1)
-        tokens = tokens.at[jnp.arange(tokens.shape[0]), n].set(verdict.next_token)
-        state = state.replace(caches=(target_cache, context))
-        return emit(state, tokens, n + 1, verdict.next_token, self.eos, ignore_eos)
+        with jax.named_scope("accept"):
+            tokens = jnp.concatenate([proposal.tokens, jnp.zeros_like(n)[:, None]], 1)
+            tokens = tokens.at[jnp.arange(tokens.shape[0]), n].set(verdict.next_token)
+            state = state.replace(caches=(target_cache, context))
+            return emit(state, tokens, n + 1, verdict.next_token, self.eos, ignore_eos)
 
     def step(self, params, state: DecodeState, sampling, ignore_eos,
              width: int | None = None) -> DecodeState:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from dspine_jax.attention import AttentionMetadata
@@ -31,7 +32,8 @@ class AutoregressiveGenerator(BatchDecoder):
         """One token per row; `width` (a speculative engine's verify width) is always 0."""
         cache = state.caches[0]
         out = self.target(params)(state.last_token[:, None], cache, attention=self.attention)
-        token = sample_tokens(out.logits[:, 0], sampling, step_keys(state))
+        with jax.named_scope("sample"):
+            token = sample_tokens(out.logits[:, 0], sampling, step_keys(state))
         active = ~state.done
         lengths = jnp.where(active, out.cache.lengths, cache.lengths)  # finished rows stay
         state = state.replace(caches=(out.cache.replace(lengths=lengths),))

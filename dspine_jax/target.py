@@ -77,10 +77,14 @@ class Attention(nnx.Module):
         """With pages = (k_pages, v_pages) [P, PS, K, H], writes this call's k/v into the
         cache and attends over it; otherwise attends over the T new tokens.
         -> (out [B, T, D], the pages after the write or None)."""
-        q, k, v = self.project(x, metadata.positions)
-        out, pages = attention(q, k, v, metadata, pages)
+        # the named scopes label the op groups of `profile_step`'s roofline table
+        with jax.named_scope("qkv"):
+            q, k, v = self.project(x, metadata.positions)
+        with jax.named_scope("attention"):
+            out, pages = attention(q, k, v, metadata, pages)
         b, t = x.shape[:2]
-        return self.o_proj(out.reshape(b, t, -1)), pages
+        with jax.named_scope("o_proj"):
+            return self.o_proj(out.reshape(b, t, -1)), pages
 
 
 class DecoderLayer(nnx.Module):
@@ -93,9 +97,14 @@ class DecoderLayer(nnx.Module):
                                                 dtype=dtype)
 
     def __call__(self, x, metadata, attention, pages=None):
-        attn, pages = self.self_attn(self.input_layernorm(x), metadata, attention, pages)
+        with jax.named_scope("norm"):
+            h = self.input_layernorm(x)
+        attn, pages = self.self_attn(h, metadata, attention, pages)
         x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), pages
+        with jax.named_scope("norm"):
+            h = self.post_attention_layernorm(x)
+        with jax.named_scope("mlp"):
+            return x + self.mlp(h), pages
 
 
 class TargetModel(nnx.Module):
@@ -157,7 +166,8 @@ class TargetModel(nnx.Module):
                     positions = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
                 metadata = AttentionMetadata.causal(positions)
 
-        x = self.embed_tokens(tokens)
+        with jax.named_scope("embed"):
+            x = self.embed_tokens(tokens)
         picked, k_pages, v_pages = [], [], []
         for i, layer in enumerate(self.layers):
             pages = None if cache is None else (cache.k_pages[i], cache.v_pages[i])
@@ -172,12 +182,14 @@ class TargetModel(nnx.Module):
             order = sorted(hidden_layer_ids)
             hidden = jnp.stack([picked[order.index(i)] for i in hidden_layer_ids])
 
-        final = self.norm(x)
+        with jax.named_scope("norm"):
+            final = self.norm(x)
         logits = None
         if return_logits:
-            rows = final if logits_at is None else jnp.take_along_axis(
-                final, logits_at[..., None], axis=1)
-            logits = self.compute_logits(rows)
+            with jax.named_scope("lm_head"):
+                rows = final if logits_at is None else jnp.take_along_axis(
+                    final, logits_at[..., None], axis=1)
+                logits = self.compute_logits(rows)
         new_cache = None if cache is None else cache.replace(
             k_pages=tuple(k_pages), v_pages=tuple(v_pages), lengths=metadata.kv_lens)
         return TargetOutput(logits=logits, hidden_states=hidden, final_hidden=final,

@@ -1,0 +1,292 @@
+"""The roofline of a profile: what each kernel moves and computes, what the machine can do,
+and how close each group of operations comes.
+
+  * `hlo_costs`: bytes and FLOPs of every instruction of XLA's optimised HLO (the text
+    `hlo_names` dumps). Bytes are what a kernel reads and writes: its operands and its
+    result, except that an in-place update (a fusion ending in dynamic-update-slice or
+    scatter, whose result aliases its largest operand) moves only its update, read and
+    written. FLOPs are 2 x M x N x K of every dot, in a fusion or a cuBLAS custom call.
+  * `group_of`: which op group an operation belongs to, from the named scopes the models
+    put in its `op_name` (`qkv`, `attention`, `o_proj`, `mlp`, `norm`, `embed`, `lm_head`,
+    `draft`, `proposal`, `accept`, `sample`).
+  * `measure_peaks`: the copy bandwidth and matmul rate of the device, measured in the
+    same process (a roofline against datasheet numbers flatters nobody).
+  * `group_table`: per group, time, bytes and FLOPs per pass, the achieved bandwidth and
+    FLOP rate with their share of the measured peaks, and the group's floor (the larger of
+    bytes / bandwidth and FLOPs / matmul rate) with how far above it the group runs.
+
+A kernel whose name the HLO does not hold (a Pallas kernel on a GPU) gets its group from
+its name and no bytes; `profile_step` gives the target's attention the bytes it must read
+(the KV cache of the context) instead of the page pools its kernels take as operands.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+import statistics
+import time
+from pathlib import Path
+
+# Precedence: the first scope found in an op_name wins (the drafter's layers hold their own
+# `qkv` and `attention`, and its context update sits inside the step's `accept`).
+GROUPS = ("draft", "proposal", "sample", "accept", "lm_head", "attention", "qkv", "o_proj",
+          "mlp", "norm", "embed")
+KERNEL_GROUPS = (("attention", "attention"), ("top_k", "proposal"), ("proposal", "proposal"))
+
+ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+            "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
+HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (.*)$")
+OPERAND = re.compile(r"%([\w.\-]+)")
+GEMM_CALL = re.compile(r'custom_call_target="__cublas\$(?:lt\$matmul|gemm)')
+CONTAINERS = ("while", "conditional", "call")
+
+
+@dataclasses.dataclass
+class Instruction:
+    name: str
+    computation: str
+    shape: str                # the result type, as printed
+    opcode: str
+    operands: list[str]
+    attributes: str
+
+    @property
+    def bytes(self) -> int:
+        return type_bytes(self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    bytes: float = 0.0
+    flops: float = 0.0
+    container: bool = False     # a loop or call: its body's kernels are events of their own
+
+
+def itemsize(dtype: str) -> float:
+    if dtype.startswith("f8") or dtype.startswith("s4") or dtype.startswith("u4"):
+        return 1 if dtype.startswith("f8") else 0.5
+    return ITEMSIZE.get(dtype, 0)
+
+
+def type_bytes(text: str) -> int:
+    """Bytes of an HLO type (`bf16[8,128]{1,0}`, or a tuple of them)."""
+    return int(sum(math.prod(int(d) for d in dims.split(",") if d) * itemsize(dtype)
+                   for dtype, dims in ARRAY.findall(text)))
+
+
+def dims_of(text: str) -> list[int]:
+    match = ARRAY.search(text)
+    return [int(d) for d in match.group(2).split(",") if d] if match else []
+
+
+def _split_type(rest: str) -> tuple[str, str]:
+    """'TYPE opcode(...), attrs' -> (TYPE, 'opcode(...), attrs'); a tuple type has parens."""
+    if not rest.startswith("("):
+        head, _, tail = rest.partition(" ")
+        return head, tail
+    depth = 0
+    for i, ch in enumerate(rest):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0:
+            return rest[:i + 1], rest[i + 1:].lstrip()
+    return rest, ""
+
+
+def _split_call(text: str) -> tuple[str, str, str]:
+    """'opcode(operands), attrs' -> (opcode, operands, attrs)."""
+    opcode, _, rest = text.partition("(")
+    depth = 1
+    for i, ch in enumerate(rest):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0:
+            return opcode.strip(), rest[:i], rest[i + 1:]
+    return opcode.strip(), rest, ""
+
+
+def parse_hlo(text: str) -> dict[str, Instruction]:
+    """Every instruction of an HLO module's text, by name (names are unique per module)."""
+    instructions, computation = {}, ""
+    for line in text.splitlines():
+        header = HEADER.match(line)
+        if header:
+            computation = header.group(1)
+            continue
+        match = INSTRUCTION.match(line)
+        if not match:
+            continue
+        name, rest = match.groups()
+        shape, call = _split_type(rest)
+        opcode, operands, attributes = _split_call(call)
+        instructions[name] = Instruction(name, computation, shape, opcode,
+                                         OPERAND.findall(operands), attributes)
+    return instructions
+
+
+def _dot_flops(dot: Instruction, table: dict[str, Instruction]) -> float:
+    contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", dot.attributes)
+    lhs = table.get(dot.operands[0]) if dot.operands else None
+    if contracting is None or lhs is None:
+        return 0.0
+    lhs_dims = dims_of(lhs.shape)
+    k = math.prod(lhs_dims[int(i)] for i in contracting.group(1).split(",") if i)
+    return 2.0 * math.prod(dims_of(dot.shape)) * k
+
+
+def _gemm_flops(call: Instruction, table: dict[str, Instruction]) -> float:
+    """A cuBLAS gemm custom call: its dimension numbers are in the backend config."""
+    contracting = re.search(r'"lhs_contracting_dimensions":\["?([\d",]*)\]', call.attributes)
+    lhs = table.get(call.operands[0]) if call.operands else None
+    if contracting is None or lhs is None:
+        return 0.0
+    lhs_dims = dims_of(lhs.shape)
+    k = math.prod(lhs_dims[int(i)] for i in contracting.group(1).replace('"', "").split(",")
+                  if i)
+    return 2.0 * math.prod(dims_of(call.shape)) * k     # the result's first array
+
+
+def hlo_costs(text: str) -> dict[str, Cost]:
+    """{instruction name, and its GPU-kernel spelling ('.' as '_'): Cost} of one module."""
+    table = parse_hlo(text)
+    by_computation = collections.defaultdict(list)
+    for inst in table.values():
+        by_computation[inst.computation].append(inst)
+
+    def called(inst: Instruction) -> list[Instruction]:
+        match = re.search(r"calls=%([\w.\-]+)", inst.attributes)
+        return by_computation.get(match.group(1), []) if match else []
+
+    def flops(inst: Instruction) -> float:
+        if inst.opcode == "dot":
+            return _dot_flops(inst, table)
+        if inst.opcode == "custom-call" and GEMM_CALL.search(inst.attributes):
+            return _gemm_flops(inst, table)
+        if inst.opcode == "fusion":
+            return sum(flops(i) for i in called(inst))
+        return 0.0
+
+    costs = {}
+    for inst in table.values():
+        if inst.opcode in CONTAINERS:
+            costs[inst.name] = costs[inst.name.replace(".", "_")] = Cost(container=True)
+            continue
+        if inst.opcode in ("parameter", "constant", "tuple", "get-tuple-element", "bitcast"):
+            continue
+        operand_bytes = [table[o].bytes for o in inst.operands if o in table]
+        moved = inst.bytes + sum(operand_bytes)
+        body = called(inst) if inst.opcode == "fusion" else [inst]
+        in_place = any(i.opcode in ("dynamic-update-slice", "scatter") for i in body)
+        if in_place and operand_bytes and max(operand_bytes) >= inst.bytes > 0:
+            # the result aliases its largest operand: only the rest is read, and written
+            rest = sum(operand_bytes) - max(operand_bytes)
+            moved = 2 * rest
+        cost = Cost(bytes=float(moved), flops=flops(inst))
+        costs[inst.name] = costs[inst.name.replace(".", "_")] = cost
+    return costs
+
+
+def module_costs(folder: Path, files: set[str]) -> dict[str, Cost]:
+    costs = {}
+    for name in sorted(files):
+        for key, cost in hlo_costs((Path(folder) / name).read_text()).items():
+            costs.setdefault(key, cost)
+    return costs
+
+
+def group_of(op_name: str, kernel: str = "") -> str:
+    """The op group of an operation: the first of `GROUPS` among its op_name's scopes, else
+    a guess from its kernel name, else 'other'."""
+    scopes = set(op_name.split("/"))
+    for group in GROUPS:
+        if group in scopes:
+            return group
+    for key, group in KERNEL_GROUPS:
+        if key in kernel.lower():
+            return group
+    return "other"
+
+
+# ----- what the device can do ----------------------------------------------------------------
+def _median_seconds(fn, *args, repeats: int = 10) -> float:
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_peaks(dtype=None) -> dict:
+    """{'copy_gb_s', 'matmul_tflop_s', and what was run}: x + 1 over a large array (read and
+    written once) and one square matmul, each the median of 10 runs. Sizes: 1 GiB and 8192
+    on an accelerator, 64 MiB and 1024 on a CPU."""
+    import jax
+    import jax.numpy as jnp
+
+    accelerator = jax.default_backend() != "cpu"
+    dtype = dtype or (jnp.bfloat16 if accelerator else jnp.float32)
+    n = (1 << 30 if accelerator else 64 << 20) // jnp.dtype(dtype).itemsize
+    x = jnp.ones((n,), dtype)
+    copy = _median_seconds(jax.jit(lambda a: a + 1), x)
+    del x
+    m = 8192 if accelerator else 1024
+    a = jnp.ones((m, m), dtype)
+    matmul = _median_seconds(jax.jit(lambda p, q: p @ q), a, a)
+    return {"copy_gb_s": 2 * n * jnp.dtype(dtype).itemsize / copy / 1e9,
+            "matmul_tflop_s": 2 * m ** 3 / matmul / 1e12,
+            "copy_bytes": 2 * n * jnp.dtype(dtype).itemsize, "matmul_size": m,
+            "dtype": jnp.dtype(dtype).name}
+
+
+# ----- the table -----------------------------------------------------------------------------
+def group_rows(events: list[dict], passes: int, op_names: dict[str, str],
+               costs: dict[str, Cost], peaks: dict,
+               bytes_override: dict[str, float] | None = None) -> list[dict]:
+    """Per group: us, bytes and FLOPs per pass, achieved rates and shares, floor.
+    events: device events (name, dur in us); bytes_override: {group: bytes per pass}."""
+    us, moved, flops = (collections.Counter() for _ in range(3))
+    for e in events:
+        cost = costs.get(e["name"], Cost())
+        if cost.container:      # a CPU trace's loop event spans its body's events
+            continue
+        group = group_of(op_names.get(e["name"], ""), e["name"])
+        us[group] += e["dur"]
+        moved[group] += cost.bytes
+        flops[group] += cost.flops
+    total = sum(us.values()) or 1e-9
+    rows = []
+    for group, t in us.most_common():
+        t_pass = t / passes
+        b = (bytes_override or {}).get(group, moved[group] / passes)
+        f = flops[group] / passes
+        seconds = t_pass * 1e-6
+        floor = max(b / (peaks["copy_gb_s"] * 1e9), f / (peaks["matmul_tflop_s"] * 1e12))
+        rows.append({
+            "group": group, "us_per_pass": t_pass, "share": t / total,
+            "bytes_per_pass": b, "flops_per_pass": f,
+            "gb_s": b / seconds / 1e9 if seconds else 0.0,
+            "bandwidth_share": b / seconds / 1e9 / peaks["copy_gb_s"] if seconds else 0.0,
+            "tflop_s": f / seconds / 1e12 if seconds else 0.0,
+            "matmul_share": f / seconds / 1e12 / peaks["matmul_tflop_s"] if seconds else 0.0,
+            "floor_us": floor * 1e6, "x_floor": seconds / floor if floor else None})
+    return rows
+
+
+def group_table(rows: list[dict]) -> str:
+    lines = [f"{'group':<10} {'us/pass':>9} {'share':>6} {'MB/pass':>9} {'GFLOP':>8} "
+             f"{'GB/s':>8} {'% bw':>6} {'TFLOP/s':>8} {'% mm':>6} {'floor us':>9} {'x floor':>8}"]
+    for r in rows:
+        x = f"{r['x_floor']:8.1f}" if r["x_floor"] else f"{'':>8}"
+        lines.append(
+            f"{r['group']:<10} {r['us_per_pass']:9.1f} {r['share']:6.1%} "
+            f"{r['bytes_per_pass'] / 1e6:9.3f} {r['flops_per_pass'] / 1e9:8.3f} "
+            f"{r['gb_s']:8.1f} {r['bandwidth_share']:6.1%} {r['tflop_s']:8.2f} "
+            f"{r['matmul_share']:6.1%} {r['floor_us']:9.1f} {x}")
+    return "\n".join(lines)

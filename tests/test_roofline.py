@@ -1,0 +1,90 @@
+"""The roofline table's bytes, FLOPs and groups, against hand-counted HLO and the model's
+own shapes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dspine_benchmarks import hlo_names, roofline
+
+# a hand-written module: a dot fusion, an in-place update fusion and a cuBLAS gemm call
+HLO = (Path(__file__).parent / "fixtures" / "roofline_module.hlo.txt").read_text()
+
+
+def test_bytes_and_flops_of_each_kernel_are_counted_by_hand():
+    costs = roofline.hlo_costs(HLO)
+    # a dot fusion: reads both operands, writes its result; 2 x M x N x K FLOPs
+    gemm = costs["gemm_fusion_dot_1"]          # the GPU kernel's spelling
+    assert gemm == costs["gemm_fusion_dot.1"]
+    assert (gemm.bytes, gemm.flops) == (4 * 16 * 4 + 4 * 8 * 2 + 16 * 8 * 2, 2 * 4 * 16 * 8)
+    # an in-place update moves its update and index (read and written), not the buffer
+    assert costs["dus_fusion"].bytes == 2 * (1 * 8 * 4 + 4) and costs["dus_fusion"].flops == 0
+    # a cuBLAS gemm: K from its backend config; its result tuple holds the workspace
+    cublas = costs["custom-call.3"]
+    assert cublas.flops == 2 * 4 * 16 * 8
+    assert cublas.bytes == (4 * 16 * 4 + 1024) + 4 * 8 * 2 + 16 * 8 * 2
+    assert "Arg_0.1" not in costs and "tuple" not in costs     # no kernels
+
+
+def test_a_fusion_without_metadata_takes_its_body_op_name():
+    names = hlo_names.op_names(HLO)
+    assert names["gemm_fusion_dot_1"].endswith("/mlp/...i,oi->...o/dot_general")
+    assert names["dus_fusion"].endswith("/attention/scatter")
+    assert names["custom-call.3"].endswith("/lm_head/dot_general")
+
+
+@pytest.mark.parametrize("op_name, kernel, group", [
+    ("jit(decode_rows)/while/body/draft/qkv/dot_general", "", "draft"),
+    ("jit(decode_rows)/while/body/mlp/...i,oi->...o/dot_general", "", "mlp"),
+    ("jit(decode_rows)/while/body/proposal/jit(_vocab_top_k)/top_k", "", "proposal"),
+    ("jit(decode_rows)/while/body/accept/draft/dot_general", "", "draft"),
+    ("", "ragged_paged_attention_kernel", "attention"),
+    ("jit(decode_rows)/while/body/add", "loop_add_fusion", "other")])
+def test_groups_come_from_the_named_scopes(op_name, kernel, group):
+    assert roofline.group_of(op_name, kernel) == group
+
+
+def test_group_rows_put_each_group_against_the_measured_peaks():
+    costs = {"a": roofline.Cost(bytes=2e6, flops=1e6), "b": roofline.Cost(bytes=0, flops=4e9),
+             "while.1": roofline.Cost(container=True)}
+    names = {"a": "x/mlp/dot", "b": "x/lm_head/dot"}
+    events = [{"name": "a", "dur": 100.0}, {"name": "a", "dur": 100.0},
+              {"name": "b", "dur": 200.0}, {"name": "while.1", "dur": 999.0}]
+    peaks = {"copy_gb_s": 100.0, "matmul_tflop_s": 10.0}
+    rows = {r["group"]: r for r in roofline.group_rows(events, 2, names, costs, peaks)}
+    assert set(rows) == {"mlp", "lm_head"}            # the loop's span is not a kernel
+    mlp, head = rows["mlp"], rows["lm_head"]
+    assert mlp["us_per_pass"] == 100 and mlp["bytes_per_pass"] == 2e6
+    assert mlp["gb_s"] == pytest.approx(20.0) and mlp["bandwidth_share"] == pytest.approx(0.2)
+    assert mlp["floor_us"] == pytest.approx(20.0) and mlp["x_floor"] == pytest.approx(5.0)
+    # one 200 us kernel of 4 GFLOP over two passes: 2 GFLOP in 100 us per pass
+    assert head["flops_per_pass"] == 2e9 and head["tflop_s"] == pytest.approx(20.0)
+    assert head["floor_us"] == pytest.approx(200.0) and head["x_floor"] == pytest.approx(0.5)
+    override = roofline.group_rows(events, 2, names, costs, peaks, {"mlp": 5e5})
+    assert override[0]["bytes_per_pass"] == 5e5
+
+
+def test_profile_step_counts_the_models_gemm_flops(tiny_llama_dir, tmp_path):
+    """A DSpine pass's named GEMMs: each group's FLOPs per pass are what the model's shapes
+    give (2 x tokens x in x out per weight), not a multiple of it."""
+    import json
+
+    from dspine_benchmarks.profile_step import main
+
+    out = tmp_path / "profile.json"
+    block = 4
+    main(["--target", str(tiny_llama_dir), "--methods", "dspine", "--prompt-len", "8",
+          "--calls", "1", "--steps-per-call", "2", "--draft-layers", "1", "--block-size",
+          str(block), "--dtype", "f32", "--attention-backend", "xla",
+          "--trace-dir", str(tmp_path / "t"), "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["peaks"]["copy_gb_s"] > 0 and report["peaks"]["matmul_tflop_s"] > 0
+    groups = {g["group"]: g for g in report["results"][0]["groups"]}
+    config = json.loads((tiny_llama_dir / "config.json").read_text())
+    d, i = config["hidden_size"], config["intermediate_size"]
+    layers = config["num_hidden_layers"]
+    mlp = 2 * block * layers * 3 * d * i            # the verify forward over the block
+    assert groups["mlp"]["flops_per_pass"] == pytest.approx(mlp)
+    assert groups["draft"]["flops_per_pass"] > 0 and groups["proposal"]["flops_per_pass"] > 0
