@@ -10,12 +10,12 @@ then traces `--calls` host calls (`--steps-per-call` passes each) and reads the 
 trace JAX writes: device kernels on a GPU, XLA's per-op events on a CPU. Operations are
 grouped by name (fusions keep XLA's names, kernels their own), summed, divided by the
 number of passes, and listed with their share of the traced device time and the JAX
-operation each runs (from the optimised HLO XLA dumps into `--trace-dir`/hlo,
-`hlo_names`). The roofline table (`roofline`) sums them by op group (attention, the
-QKV/O/MLP GEMMs, norms, lm_head, the draft layers, the proposal, acceptance, sampling)
-with each group's bytes and FLOPs from the same HLO, and its achieved share of the copy
-bandwidth and matmul rate measured at the start of the run. The trace folder stays in
-`--trace-dir` for Perfetto or TensorBoard.
+operation each runs (from the optimised HLO of the compiled programs, `hlo_names`). The
+roofline table (`roofline`) sums them by op group (attention, the QKV/O/MLP GEMMs, norms,
+lm_head, the draft layers, the proposal, acceptance, sampling) with each group's bytes
+and FLOPs from the same HLO, and its achieved share of the copy bandwidth and matmul
+rate measured at the start of the run. The trace folder stays in `--trace-dir` for
+Perfetto or TensorBoard.
 """
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ def top_table(rows: list[dict]) -> str:
 
 
 def profile(method: str, model, config, args, trace_dir: Path, peaks: dict) -> dict:
+    from dspine_jax.runtime import slot_steps
     from dspine_jax.runtime.fixed_batch import FixedBatch
 
     context = args.context or args.prompt_len
@@ -90,8 +91,6 @@ def profile(method: str, model, config, args, trace_dir: Path, peaks: dict) -> d
     new_tokens = context - args.prompt_len + 4 * (args.calls + 2) * args.steps_per_call
     decoder, _ = make_decoder(method, model, config, args, args.attention_backend,
                               proposal=args.proposal)
-    hlo = trace_dir / "hlo"
-    earlier = hlo_names.dumped_modules(hlo, "decode")
     prompts = np.random.default_rng(0).integers(0, config.vocab_size,
                                                 size=(args.batch, args.prompt_len)).tolist()
     run = FixedBatch(decoder, prompts, max_new_tokens=new_tokens, ignore_eos=True,
@@ -106,16 +105,20 @@ def profile(method: str, model, config, args, trace_dir: Path, peaks: dict) -> d
     [path] = sorted(folder.rglob("*.trace.json.gz"))[-1:]
     with gzip.open(path) as f:
         trace = json.load(f)
-    modules = hlo_names.dumped_modules(hlo, "decode") - earlier
-    names = hlo_names.module_op_names(hlo, modules)
+    # the decode programs XLA compiled, as optimised HLO: op names, bytes and FLOPs
+    texts = slot_steps.compiled(decoder).hlo_texts("decode")
+    names, costs = {}, {}
+    for text in texts:
+        names.update(hlo_names.op_names(text))
+        costs.update(roofline.hlo_costs(text))
     events = device_events(trace)
     summary = summarise(events, passes, args.top, names)
     # the target's attention must read its KV cache over the context, not the whole pools
     q_len = 1 if method == "ar" else args.block_size
     kv_bytes = (config.num_hidden_layers * args.batch * (context + q_len) * 2
                 * config.num_key_value_heads * config.head_dim * np.dtype(decoder.dtype).itemsize)
-    groups = roofline.group_rows(events, passes, names, roofline.module_costs(hlo, modules),
-                                 peaks, bytes_override={"attention": float(kv_bytes)})
+    groups = roofline.group_rows(events, passes, names, costs, peaks,
+                                 bytes_override={"attention": float(kv_bytes)})
     return {"method": method, "attention_backend": decoder.attention.name, "batch": args.batch,
             "context": context, "temperature": args.temperature, "passes": passes,
             "trace": str(path), **summary, "groups": groups}
@@ -126,7 +129,6 @@ def main(argv=None):
     context = args.context or args.prompt_len
     positions = context + 4 * (args.calls + 2) * args.steps_per_call + args.block_size
     trace_dir = Path(args.trace_dir or tempfile.mkdtemp(prefix="dspine-profile-"))
-    hlo_names.dump_hlo_to(trace_dir / "hlo", "decode")  # before anything compiles
     model, config, _ = load_jax_target(args.target, args.dtype, positions)
     peaks = roofline.measure_peaks()
     print(f"peaks, measured here: copy {peaks['copy_gb_s']:.0f} GB/s, matmul "

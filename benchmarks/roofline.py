@@ -1,8 +1,8 @@
 """The roofline of a profile: what each kernel moves and computes, what the machine can do,
 and how close each group of operations comes.
 
-  * `hlo_costs`: bytes and FLOPs of every instruction of XLA's optimised HLO (the text
-    `hlo_names` dumps). Bytes are what a kernel reads and writes: its operands and its
+  * `hlo_costs`: bytes and FLOPs of every instruction of XLA's optimised HLO (a compiled
+    program's `as_text()`). Bytes are what a kernel reads and writes: its operands and its
     result, except that an in-place update (a fusion ending in dynamic-update-slice or
     scatter, whose result aliases its largest operand) moves only its update, read and
     written. FLOPs are 2 x M x N x K of every dot, in a fusion or a cuBLAS custom call.
@@ -28,7 +28,6 @@ import math
 import re
 import statistics
 import time
-from pathlib import Path
 
 # Precedence: the first scope found in an op_name wins (the drafter's layers hold their own
 # `qkv` and `attention`, and its context update sits inside the step's `accept`).
@@ -186,14 +185,6 @@ def hlo_costs(text: str) -> dict[str, Cost]:
             moved = 2 * rest
         cost = Cost(bytes=float(moved), flops=flops(inst))
         costs[inst.name] = costs[inst.name.replace(".", "_")] = cost
-    return costs
-
-
-def module_costs(folder: Path, files: set[str]) -> dict[str, Cost]:
-    costs = {}
-    for name in sorted(files):
-        for key, cost in hlo_costs((Path(folder) / name).read_text()).items():
-            costs.setdefault(key, cost)
     return costs
 
 

@@ -133,6 +133,13 @@ class CompiledSteps:
             self._spans.append((started, ended))
         return executable
 
+    def hlo_texts(self, name: str) -> list[str]:
+        """XLA's optimised HLO of every compiled `name` call ("prefill" or "decode"), as
+        text (what `profile_step` reads its op names, bytes and FLOPs from)."""
+        with self._lock:
+            programs = [e for (n, _), e in self._executables.items() if n == name]
+        return [e.as_text() for e in programs]
+
     @property
     def compile_seconds(self) -> float:
         """Seconds spent compiling so far (summed over compile threads)."""
