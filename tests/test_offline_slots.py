@@ -141,3 +141,29 @@ def test_compile_ahead_covers_what_the_run_takes(loaded, tiny_dspine_dir, monkey
     ar = Pipeline.from_loaded(loaded, method="ar").generate(prompts, max_new_tokens=12,
                                                             batch_size=4, ignore_eos=True)
     assert [r.tokens for r in results] == [r.tokens for r in ar]
+
+
+def test_generate_fills_the_compile_cache_it_is_given(tiny_llama_dir, tmp_path):
+    """`dspine generate` keeps its compiled programs in --compile-cache-dir (a process of
+    its own: the cache is a process-wide JAX setting), and `none` writes nothing."""
+    import os
+    import subprocess
+    import sys
+
+    def generate(cache: str) -> dict:
+        run = subprocess.run(
+            [sys.executable, "-m", "dspine_cli", "generate", "--target", str(tiny_llama_dir),
+             "--method", "ar", "--dtype", "f32", "-p", "the quick", "-n", "4", "--json",
+             "--compile-cache-dir", cache],
+            capture_output=True, text=True, timeout=600,
+            env={**os.environ, "DSPINE_CACHE_DIR": str(tmp_path / "home")})
+        assert run.returncode == 0, run.stderr
+        return json.loads(run.stdout)
+
+    cache = tmp_path / "cache"
+    first = generate(str(cache))
+    programs = [p for p in cache.iterdir() if p.name.endswith("-cache")]
+    assert any("decode_rows" in p.name for p in programs)
+    assert generate(str(cache))["tokens"] == first["tokens"]
+    generate("none")
+    assert not (tmp_path / "home" / "jax-compile-cache").exists()
