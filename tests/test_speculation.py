@@ -178,10 +178,36 @@ def test_saved_costs_start_the_next_process(tmp_path):
     policy.save(path)
     fresh = SpeculationPolicy(SpeculationConfig("adaptive"), 16)
     assert fresh.load(path)
-    assert fresh.choose(1, [fresh.new_row()]) == 0          # no measuring again
+    stats = [fresh.new_row()]
+    picks = []
+    for _ in range(20):
+        picks.append(fresh.choose(1, stats))
+        fresh.observe_call(1, picks[-1], 16 * {0: 1.0, 15: 6.0}[picks[-1]], 16)
+    # no measuring again: the best width at once, the other end re-timed once, agreeing
+    assert picks[0] == 0 and picks.count(15) == 1 and picks[1] == 15
     assert json.loads(path.read_text())["costs"]
     path.write_text("{not json")
     assert not SpeculationPolicy(SpeculationConfig("adaptive"), 16).load(path)
+
+
+def test_a_loaded_cost_measured_under_load_is_corrected_at_once(tmp_path):
+    """A file from a busy machine says a plain step costs 2.0 (it costs 1.0): the block
+    looks best and is picked first, the plain step is re-timed on the second call,
+    contradicts the file, is rechecked, and wins within a few calls."""
+    true = {0: 1.0, 15: 2.4}
+    stale, _ = policy_with({0: 2.0, 15: 2.4}, alpha=0.4)
+    path = tmp_path / "costs.json"
+    stale.save(path)
+    policy = SpeculationPolicy(SpeculationConfig("adaptive"), 16)
+    assert policy.load(path)
+    stats = [policy.new_row()]
+    picks = []
+    for _ in range(12):
+        picks.append(policy.choose(1, stats, widths=(0, 15)))
+        policy.observe_call(1, picks[-1], 16 * true[picks[-1]], 16)
+    assert picks[:2] == [15, 0]
+    assert policy.costs.estimate(1, 0) == pytest.approx(1.0)
+    assert picks[-6:] == [0] * 6
 
 
 # ----- lossless at every width ----------------------------------------------------------------

@@ -29,7 +29,8 @@ its width's cost is repeated at once, so a cost measured wrong (a first run, ano
 process compiling) is replaced within a few calls instead of steering the choice. The
 costs and the pooled acceptance are saved in a small JSON file per device, target and
 drafter (`save`/`load`), so a new process starts where the last one stopped instead of
-measuring again.
+measuring again; each end it did not pick is still re-timed once, on the second call, so
+a table measured under other conditions is corrected at once.
 
 Seeds: a sampled (T > 0) output follows the target's distribution under every width, but
 which sample a seed gives depends on the widths run, and the adaptive widths depend on
@@ -230,6 +231,7 @@ class SpeculationPolicy:
         # (rows, width) whose last call disagreed with its trusted cost: run again soon,
         # at most `min_samples` times in a row, until the median follows or the call agrees
         self.recheck: dict[tuple[int, int], int] = {}
+        self.loaded: set[tuple[int, int]] = set()     # (rows, width) costs read from a file
 
     def new_row(self) -> AcceptanceStats:
         return AcceptanceStats(self.slots, prior=self.pool.alpha(), prior_weight=4.0)
@@ -292,7 +294,13 @@ class SpeculationPolicy:
                 self.recheck[(rows, end)] -= 1
                 return self._ran(rows, end, call)
         end = min((lo, hi), key=lambda w: self.last_run.get((rows, w), -1))
-        if end != width:
+        if end != width and call >= 1 and (rows, end) in self.loaded \
+                and (rows, end) not in self.last_run:
+            # a cost read from a file is re-timed once in this process, early: it may have
+            # been measured under other conditions (a loaded machine), and a width the
+            # policy never picks would otherwise keep it until the first probe
+            width = end
+        elif end != width:
             loss = max(0.0, 1 - scores[end] / scores[width])
             every = min(self.probe_max,
                         max(self.probe_every, math.ceil(loss / self.probe_budget)))
@@ -327,6 +335,7 @@ class SpeculationPolicy:
         for (rows, width), seconds in costs.items():
             if width in self.widths:
                 self.costs.set(rows, width, seconds)
+                self.loaded.add((rows, width))
         self.pool.prior = alpha
         return True
 
