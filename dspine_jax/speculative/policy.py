@@ -29,8 +29,9 @@ its width's cost is repeated at once, so a cost measured wrong (a first run, ano
 process compiling) is replaced within a few calls instead of steering the choice. The
 costs and the pooled acceptance are saved in a small JSON file per device, target and
 drafter (`save`/`load`), so a new process starts where the last one stopped instead of
-measuring again; each end it did not pick is still re-timed once, on the second call, so
-a table measured under other conditions is corrected at once.
+measuring again; a plain step's cost from the file is still re-timed once, on the second
+call, when the policy picked a wider width: a table measured under other conditions then
+cannot keep the policy speculating where it decodes slower than AR.
 
 Seeds: a sampled (T > 0) output follows the target's distribution under every width, but
 which sample a seed gives depends on the widths run, and the adaptive widths depend on
@@ -294,12 +295,13 @@ class SpeculationPolicy:
                 self.recheck[(rows, end)] -= 1
                 return self._ran(rows, end, call)
         end = min((lo, hi), key=lambda w: self.last_run.get((rows, w), -1))
-        if end != width and call >= 1 and (rows, end) in self.loaded \
-                and (rows, end) not in self.last_run:
-            # a cost read from a file is re-timed once in this process, early: it may have
-            # been measured under other conditions (a loaded machine), and a width the
-            # policy never picks would otherwise keep it until the first probe
-            width = end
+        if end == lo != width and call >= 1 and (rows, lo) in self.loaded \
+                and (rows, lo) not in self.last_run:
+            # a plain step's cost read from a file is re-timed once in this process, early:
+            # it may have been measured under other conditions (a loaded machine), and too
+            # high a cost would keep a block that decodes slower than AR until the first
+            # probe (too high a cost of the block only leaves speed unused until then)
+            width = lo
         elif end != width:
             loss = max(0.0, 1 - scores[end] / scores[width])
             every = min(self.probe_max,
