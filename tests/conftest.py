@@ -32,9 +32,18 @@ def _free_compiled_programs():
     kernel's limit on memory mappings (LLVM then fails with "Cannot allocate memory")."""
     yield
     import gc
+    import sys
 
     import jax
 
+    # FastAPI caches what it learns of each endpoint in module-level LRU caches keyed by
+    # the endpoint function; a server's endpoints close over its engine, so each app a
+    # test built would keep its engine and compiled programs alive (one app per process
+    # in production; dozens here)
+    models = sys.modules.get("fastapi.dependencies.models")
+    for name in ("_is_gen_callable_cached", "_is_async_gen_callable_cached",
+                 "_is_coroutine_callable_cached"):
+        getattr(getattr(models, name, None), "cache_clear", lambda: None)()
     gc.collect()            # decoders (and their compiled calls) of the module's fixtures
     jax.clear_caches()
 
