@@ -29,6 +29,8 @@ import re
 import statistics
 import time
 
+from dspine_benchmarks.hlo_names import HEADER
+
 # Precedence: the first scope found in an op_name wins (the drafter's layers hold their own
 # `qkv` and `attention`, and its context update sits inside the step's `accept`).
 GROUPS = ("draft", "proposal", "sample", "accept", "lm_head", "attention", "qkv", "o_proj",
@@ -38,7 +40,6 @@ KERNEL_GROUPS = (("attention", "attention"), ("top_k", "proposal"), ("proposal",
 ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
             "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
-HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (.*)$")
 OPERAND = re.compile(r"%([\w.\-]+)")
 GEMM_CALL = re.compile(r'custom_call_target="__cublas\$(?:lt\$matmul|gemm)')
@@ -126,26 +127,22 @@ def parse_hlo(text: str) -> dict[str, Instruction]:
     return instructions
 
 
-def _dot_flops(dot: Instruction, table: dict[str, Instruction]) -> float:
-    contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", dot.attributes)
-    lhs = table.get(dot.operands[0]) if dot.operands else None
-    if contracting is None or lhs is None:
-        return 0.0
-    lhs_dims = dims_of(lhs.shape)
-    k = math.prod(lhs_dims[int(i)] for i in contracting.group(1).split(",") if i)
-    return 2.0 * math.prod(dims_of(dot.shape)) * k
+DOT_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+# a cuBLAS gemm custom call keeps its dimension numbers in its backend config
+GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([\d",]*)\]')
 
 
-def _gemm_flops(call: Instruction, table: dict[str, Instruction]) -> float:
-    """A cuBLAS gemm custom call: its dimension numbers are in the backend config."""
-    contracting = re.search(r'"lhs_contracting_dimensions":\["?([\d",]*)\]', call.attributes)
-    lhs = table.get(call.operands[0]) if call.operands else None
+def _matmul_flops(inst: Instruction, table: dict[str, Instruction],
+                  contracting_dims: re.Pattern) -> float:
+    """2 x the result's size (its first array) x the contracted size of the lhs operand."""
+    contracting = contracting_dims.search(inst.attributes)
+    lhs = table.get(inst.operands[0]) if inst.operands else None
     if contracting is None or lhs is None:
         return 0.0
     lhs_dims = dims_of(lhs.shape)
     k = math.prod(lhs_dims[int(i)] for i in contracting.group(1).replace('"', "").split(",")
                   if i)
-    return 2.0 * math.prod(dims_of(call.shape)) * k     # the result's first array
+    return 2.0 * math.prod(dims_of(inst.shape)) * k
 
 
 def hlo_costs(text: str) -> dict[str, Cost]:
@@ -161,9 +158,9 @@ def hlo_costs(text: str) -> dict[str, Cost]:
 
     def flops(inst: Instruction) -> float:
         if inst.opcode == "dot":
-            return _dot_flops(inst, table)
+            return _matmul_flops(inst, table, DOT_CONTRACTING)
         if inst.opcode == "custom-call" and GEMM_CALL.search(inst.attributes):
-            return _gemm_flops(inst, table)
+            return _matmul_flops(inst, table, GEMM_CONTRACTING)
         if inst.opcode == "fusion":
             return sum(flops(i) for i in called(inst))
         return 0.0

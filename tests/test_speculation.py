@@ -89,6 +89,17 @@ def test_in_between_a_middle_width_wins():
     assert max(scores, key=scores.get) == 3
 
 
+def run_calls(policy: SpeculationPolicy, true: dict[int, float], calls: int,
+              widths: tuple[int, ...] | None = None) -> list[int]:
+    """`calls` calls of 16 passes over one row, each timed at its width's `true` cost per
+    pass: -> the widths the policy picked."""
+    stats, picks = [policy.new_row()], []
+    for _ in range(calls):
+        picks.append(policy.choose(1, stats, widths=widths))
+        policy.observe_call(1, picks[-1], 16 * true[picks[-1]], 16)
+    return picks
+
+
 def test_both_ends_are_measured_first_then_probed():
     policy = SpeculationPolicy(SpeculationConfig("adaptive"), 16, probe_every=4,
                                probe_budget=10.0)
@@ -173,16 +184,12 @@ def test_bad_settings_are_named(config, block, message):
 
 
 def test_saved_costs_start_the_next_process(tmp_path):
-    policy, stats = policy_with({0: 1.0, 1: 3.2, 3: 3.6, 7: 4.4, 15: 6.0}, alpha=0.6)
+    policy, _ = policy_with({0: 1.0, 1: 3.2, 3: 3.6, 7: 4.4, 15: 6.0}, alpha=0.6)
     path = tmp_path / "costs.json"
     policy.save(path)
     fresh = SpeculationPolicy(SpeculationConfig("adaptive"), 16)
     assert fresh.load(path)
-    stats = [fresh.new_row()]
-    picks = []
-    for _ in range(20):
-        picks.append(fresh.choose(1, stats))
-        fresh.observe_call(1, picks[-1], 16 * {0: 1.0, 15: 6.0}[picks[-1]], 16)
+    picks = run_calls(fresh, {0: 1.0, 15: 6.0}, 20)
     # no measuring again: the best width at once, and the block is not re-run early
     assert picks == [0] * 20
     assert json.loads(path.read_text())["costs"]
@@ -200,11 +207,7 @@ def test_a_loaded_cost_measured_under_load_is_corrected_at_once(tmp_path):
     stale.save(path)
     policy = SpeculationPolicy(SpeculationConfig("adaptive"), 16)
     assert policy.load(path)
-    stats = [policy.new_row()]
-    picks = []
-    for _ in range(12):
-        picks.append(policy.choose(1, stats, widths=(0, 15)))
-        policy.observe_call(1, picks[-1], 16 * true[picks[-1]], 16)
+    picks = run_calls(policy, true, 12, widths=(0, 15))
     assert picks[:2] == [15, 0]
     assert policy.costs.estimate(1, 0) == pytest.approx(1.0)
     assert picks[-6:] == [0] * 6
