@@ -111,14 +111,23 @@ class EngineCore:
             self.scheduler.config,
             verify_widths=tuple(w for w in widths if w is not None) or None)
         self.decoder = decoder
-        self.max_slots = config.max_slots
-        self.max_model_len = self.scheduler.max_model_len
-        self.prefill_chunk = config.prefill_chunk
         self._runner = Runner(decoder, self.scheduler.pages, self.max_model_len)
         self._policy = policy
         self._queued: collections.deque[_Step] = collections.deque()  # steps not read yet
         self._last_read = 0.0        # when the last step's news arrived
         self._runtime = RuntimeConfig.of(decoder).to_json()
+
+    @property
+    def max_slots(self) -> int:
+        return self.config.max_slots
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    @property
+    def prefill_chunk(self) -> int:
+        return self.config.prefill_chunk
 
     @property
     def num_pages(self) -> int:

@@ -104,8 +104,8 @@ def _compile_ahead(core: EngineCore, prompts, options: SamplingOptions) -> None:
     if later:       # rows that finish together are refilled together
         prefills.add((rows.bucket_up(min(first, len(later)), s.row_sizes),
                       chunk(max(len(p) for p in later))))
-    prefills |= {(g, s.prefill_chunk) for g, _ in list(prefills)
-                 if max(len(p) for p in prompts) > s.prefill_chunk}
+    if max(len(p) for p in prompts) > s.prefill_chunk:     # long prompts: full chunks too
+        prefills |= {(g, s.prefill_chunk) for g, _ in list(prefills)}
     with core.decoder.switches.active():
         mode = batch_sampling_mode([options.temperature], [options.top_p], [options.top_k])
     decode_rows = [r for r in s.row_sizes if r <= rows.bucket_up(first, s.row_sizes)]
