@@ -16,6 +16,7 @@ request is refused (`Draining`, 503) while those in flight finish. A loop given 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -94,8 +95,9 @@ class EngineLoop:
         return self._thread.is_alive() and self._error is None
 
     def stats(self) -> EngineStats:
-        """The snapshot after the last step (no device read, no lock on the engine)."""
-        return self._stats
+        """The snapshot after the last step (no device read, no lock on the engine), with
+        the programs compiling in the background now."""
+        return dataclasses.replace(self._stats, compiling=self.core.compiling)
 
     @property
     def in_flight(self) -> int:

@@ -94,8 +94,14 @@ def run(pipeline, engine_config: EngineConfig, *, model_name: str, sock: socket.
     host, port = sock.getsockname()[:2]
 
     def ready(seconds: float) -> None:
+        later = engine.core.compiling
         print(f"ready: compiled in {seconds:.1f}s ({time.perf_counter() - t0:.1f}s after "
-              "listening)", flush=True)
+              "listening)" + (f"; {later} more programs compile in the background, their "
+                              "calls running on these meanwhile" if later else ""), flush=True)
+        if later:
+            engine.core.background_compile.add_done_callback(lambda _: print(
+                f"compiled every program ({time.perf_counter() - t0:.1f}s after listening)",
+                flush=True))
 
     app, engine = build(pipeline, engine_config, model_name=model_name, max_queue=max_queue,
                         warmup="background", api_key=api_key, on_ready=ready)

@@ -4,6 +4,7 @@ way its cost table and acceptance statistics say (synthetic tables, no JAX there
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -307,7 +308,8 @@ def test_serving_engine_follows_the_cost_table(cheap):
 
 def test_serving_warmup_teaches_the_policy_nothing():
     """Warm-up runs each program's first call (one-time device setup included) on a dummy
-    prompt: neither its times nor its acceptance reach the policy; served requests do."""
+    prompt: neither its times nor its acceptance reach the policy; served requests do,
+    once no program compiles beside them."""
     from dspine_jax.runtime.engine_core import EngineConfig, EngineCore
 
     target, drafter = build(kind="dspine", block=8)
@@ -319,6 +321,9 @@ def test_serving_warmup_teaches_the_policy_nothing():
     core.warmup(modes=("greedy",))
     assert engine.policy.costs.samples == {} and engine.policy.pool.alpha() == prior
     assert core.stats().speculation_costs == {}
+    core.background_compile.result(300)
+    while core.compiling:
+        time.sleep(0.01)
     serve_all(core, PROMPTS[:2], max_tokens=12)
     assert engine.policy.costs.samples and engine.policy.pool.alpha() != prior
     # /health's view of the policy: ms per pass of what was measured, the pooled rates

@@ -24,6 +24,7 @@ detokenized output (it then calls `abort`).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import itertools
 import time
@@ -55,6 +56,7 @@ class EngineStats:
     num_pages: int
     free_pages: int
     preemptions: int        # requests preempted since the start (recomputed later)
+    compiling: int = 0      # programs still compiling in the background
     speculation: str | None = None    # adaptive, fixed or off; None for AR
     verify_widths: tuple[int, ...] = ()   # the widths decode calls may verify
     runtime: dict = dataclasses.field(default_factory=dict)   # RuntimeConfig.to_json()
@@ -111,11 +113,15 @@ class EngineCore:
             self.scheduler.config,
             verify_widths=tuple(w for w in widths if w is not None) or None)
         self.decoder = decoder
-        self._runner = Runner(decoder, self.scheduler.pages, self.max_model_len)
+        s = self.scheduler
+        self._runner = Runner(decoder, s.pages, self.max_model_len, row_sizes=s.row_sizes,
+                              chunk_sizes=s.chunk_sizes, widest=s.widths[-1])
         self._policy = policy
         self._queued: collections.deque[_Step] = collections.deque()  # steps not read yet
         self._last_read = 0.0        # when the last step's news arrived
         self._runtime = RuntimeConfig.of(decoder).to_json()
+        # after `warmup`: the Future of the background compiles' seconds
+        self.background_compile: concurrent.futures.Future | None = None
 
     @property
     def max_slots(self) -> int:
@@ -142,6 +148,11 @@ class EngineCore:
         """Seconds spent compiling this core's decoder's programs so far (every core over
         the decoder shares them)."""
         return self._runner.steps.compile_seconds
+
+    @property
+    def compiling(self) -> int:
+        """Programs still compiling in the background (after `warmup`)."""
+        return self._runner.steps.compiling
 
     def compiling_within(self, start: float, end: float) -> float:
         """Seconds of the perf_counter window [start, end] spent compiling."""
@@ -186,7 +197,7 @@ class EngineCore:
                            verify_widths=tuple(w for w in self.scheduler.widths
                                                if w is not None),
                            runtime=self._runtime, engine=self.config.to_json(),
-                           **self._policy_view())
+                           compiling=self.compiling, **self._policy_view())
 
     def _policy_view(self) -> dict:
         if self._policy is None:
@@ -217,8 +228,9 @@ class EngineCore:
         for call in calls:
             call.news = self._runner.submit(call)
         timed = None
+        # a call timed while programs compile beside it would teach the policy their cost
         if self.scheduler.learning and self._policy is not None and len(calls) == 1 \
-                and calls[0].decode:
+                and calls[0].decode and not self.compiling:
             timed = (len(calls[0].requests), calls[0].width)
         self._queued.append(_Step(calls, queued_at, compiles, timed))
         return outputs, True
@@ -246,31 +258,56 @@ class EngineCore:
         """Compile, in parallel, the decode call of each row bucket in `decode_rows` x
         sampling mode x verify width, and the prefill call of each (rows, chunk) in
         `prefills` (buckets both), without running them."""
-        s = self.scheduler
-        calls = [Call("decode", s.idle_rows[np.full((rows,), self.max_slots)],
-                      [None] * rows, width=width, passes=1, mode=mode)
-                 for rows, mode, width in itertools.product(decode_rows, modes, s.widths)]
-        calls += [Call("prefill", s.prefill_matrix(g, t), [None] * g) for g, t in prefills]
-        self._runner.precompile(calls)
+        calls = [self._decode_call(rows, mode, width) for rows, mode, width
+                 in itertools.product(decode_rows, modes, self.scheduler.widths)]
+        self._runner.precompile(calls + [self._prefill_call(g, t) for g, t in prefills])
+
+    def _decode_call(self, rows: int, mode: str, width: int | None) -> Call:
+        return Call("decode", self.scheduler.idle_rows[np.full((rows,), self.max_slots)],
+                    [None] * rows, width=width, passes=1, mode=mode)
+
+    def _prefill_call(self, rows: int, chunk: int) -> Call:
+        return Call("prefill", self.scheduler.prefill_matrix(rows, chunk), [None] * rows)
 
     def warmup(self, modes: Sequence[str] = SAMPLING_MODES) -> float:
-        """Compile before serving: every decode call (each row bucket x sampling mode in
-        `modes`; a caller that knows its requests never filter, or never sample, leaves
-        those modes out) and every prefill call (each row bucket x chunk bucket), in
-        parallel; then one request end to end. Returns seconds."""
+        """Compile before serving, in parallel, the programs that run any request (`modes`:
+        the sampling modes requests will take; a caller that knows its requests never
+        filter, or never sample, leaves those modes out): the decode call of every row
+        bucket, greedy and the most general of `modes`, at the widest verify width, and
+        the prefill call of one row at every chunk and of every row bucket at the longest
+        chunk; then one request end to end. Returns seconds. The other programs (narrower
+        widths, the other sampling modes, several rows' shorter chunks) then compile in
+        background threads (`compiling` counts them); until one is ready its calls run on
+        one of these (`Runner.cover`)."""
         unknown = sorted(set(modes) - set(SAMPLING_MODES))
         if unknown:
             raise InputError(f"unknown sampling modes {unknown}; choose from {SAMPLING_MODES}")
         t0 = time.perf_counter()
         s = self.scheduler
-        self.compile_ahead(s.row_sizes, modes, itertools.product(s.row_sizes, s.chunk_sizes))
+        general = max(modes, key=SAMPLING_MODES.index)
+        first_modes = [m for m in SAMPLING_MODES if m in modes and m in ("greedy", general)]
+        first = [self._decode_call(r, m, s.widths[-1]) for r in s.row_sizes for m in first_modes]
+        first += [self._prefill_call(1, t) for t in s.chunk_sizes]
+        first += [self._prefill_call(g, s.chunk_sizes[-1]) for g in s.row_sizes[1:]]
+        # later: greedy's narrower widths first, then shorter chunks, then the other modes
+        modes = [m for m in SAMPLING_MODES if m in modes]
+        narrow = [(r, m, w) for m in modes for r in s.row_sizes for w in s.widths[:-1]]
+        later = [self._decode_call(*c) for c in narrow if c[1] == "greedy"]
+        later += [self._prefill_call(g, t) for g in s.row_sizes[1:] for t in s.chunk_sizes[:-1]]
+        later += [self._decode_call(*c) for c in narrow if c[1] != "greedy"]
+        later += [self._decode_call(r, m, s.widths[-1]) for m in modes if m not in first_modes
+                  for r in s.row_sizes]
+        self._runner.precompile(first)
+        # one request end to end on those programs (each call's first run pays the
+        # device's one-time setup of it), then the rest compile in the background
         n = max(1, min(8, self.max_model_len - self.decoder.extra_capacity - 2))
         self.add_request("__warmup", [0] * n, SamplingOptions(
             max_tokens=2, temperature=0.0, seed=0, ignore_eos=True))
-        s.learning = False
+        s.learning, self._runner.covering = False, True
         try:
             while self.has_work():
                 self.step()
         finally:
-            s.learning = True
+            s.learning, self._runner.covering = True, False
+        self.background_compile = self._runner.precompile(later, background=True)
         return time.perf_counter() - t0

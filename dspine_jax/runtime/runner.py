@@ -19,6 +19,7 @@ Shape legend: S slots, R rows of a decode call, G rows of a prefill call, T pref
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 from typing import Sequence
 
 import jax
@@ -33,9 +34,22 @@ from dspine_jax.runtime.slots import SlotPages
 from dspine_jax.sampling import batch_sampling_mode
 
 
+# The sampling modes whose programs can run a decode call's rows, its own first: greedy
+# rows take the argmax in any program, and the filtered sampler draws unfiltered rows
+# from the whole distribution.
+MODE_COVERS = {"greedy": ("greedy", "unfiltered", "filtered"),
+               "unfiltered": ("unfiltered", "filtered"), "filtered": ("filtered",)}
+
+
 class Runner:
-    def __init__(self, decoder: BatchDecoder, pages: SlotPages, max_model_len: int):
+    def __init__(self, decoder: BatchDecoder, pages: SlotPages, max_model_len: int, *,
+                 row_sizes: Sequence[int] = (), chunk_sizes: Sequence[int] = (),
+                 widest: int | None = None):
+        """row_sizes, chunk_sizes: the buckets calls are padded to, and widest the widest
+        verify width: what `cover` may run a call on while its own program compiles."""
         self.decoder = decoder
+        self._row_sizes, self._chunk_sizes, self._widest = row_sizes, chunk_sizes, widest
+        self.covering = False    # cover every call whose program is not compiled
         self.steps = slot_steps.compiled(decoder)
         self._params = self.steps.params
         # what shapes the state: a key of every compiled call (runners share a decoder's)
@@ -60,8 +74,9 @@ class Runner:
                                        row_fields.column(rows, fields, "top_k"))
 
     def submit(self, call: Call) -> concurrent.futures.Future:
-        """Queue a call on the runner thread; returns the future of its news [rows, ...]
-        (a device array, read later by `read`)."""
+        """Queue a call on the runner thread (`cover`ed first); returns the future of its
+        news [rows, ...] (a device array, read later by `read`)."""
+        self.cover(call)
         name, matrix, static = self._program(call)
         inputs = (self._passes[call.passes],) if call.decode else ()
         return self._thread.submit(self._run, name, self._key(call, static), self._page_table(),
@@ -71,8 +86,59 @@ class Runner:
         """The news of queued calls, in one device-to-host transfer."""
         return jax.device_get([f.result() for f in futures])
 
-    def precompile(self, calls: Sequence[Call]) -> None:
-        """Compile each call's program (in parallel threads) without running it."""
+    def cover(self, call: Call) -> None:
+        """While the program of `call` compiles in the background (or is not compiled,
+        while `covering`), run the call on a ready program that computes the same rows: a
+        larger bucket of rows (padding rows) or of chunk (padding tokens), a more general
+        sampling mode, or the widest verify
+        width (adaptive speculation's width is a choice of speed; the accept rule is
+        exact at every width). `call` is changed in place (rows, requests, mode, width),
+        so what the engine records of it is what ran. Without a ready cover the call
+        waits for its own program."""
+        if not (self.steps.compiling or self.covering):
+            return
+        name, _, static = self._program(call)
+        key = self._key(call, static)
+        if self.steps.compiled(name, key) or not (self.covering or self.steps.pending(name,
+                                                                                   key)):
+            return
+        rows = call.rows.shape[0]
+        if call.decode:
+            mode = static["mode"]
+            for size, width, cover_mode in itertools.product(
+                    [r for r in self._row_sizes if r >= rows],
+                    dict.fromkeys((call.width, self._widest)), MODE_COVERS[mode]):
+                key = slot_steps.decode_key(self.shapes, size, cover_mode, width)
+                if self.steps.compiled("decode", key):
+                    call.rows = self._pad_rows(call.rows, size, row_fields.DECODE_FIELDS)
+                    call.mode, call.width = cover_mode, width
+                    break
+            else:
+                return
+        else:
+            fields = len(row_fields.PREFILL_FIELDS)
+            chunk = call.rows.shape[1] - fields
+            for size, wider in itertools.product([r for r in self._row_sizes if r >= rows],
+                                                 [t for t in self._chunk_sizes if t >= chunk]):
+                if self.steps.compiled("prefill", slot_steps.prefill_key(self.shapes, size,
+                                                                         wider)):
+                    padded = np.zeros((rows, fields + wider), np.int32)  # padding tokens
+                    padded[:, :call.rows.shape[1]] = call.rows
+                    call.rows = self._pad_rows(padded, size, row_fields.PREFILL_FIELDS)
+                    break
+            else:
+                return
+        call.requests = call.requests + [None] * (call.rows.shape[0] - rows)
+
+    def _pad_rows(self, matrix: np.ndarray, size: int, fields: tuple[str, ...]) -> np.ndarray:
+        """[n, C] -> [size, C] with padding rows (aimed at slot S, no tokens)."""
+        pad = np.zeros((size - matrix.shape[0], matrix.shape[1]), np.int32)
+        pad[:, :len(fields)] = row_fields.pad_row(fields, self._pages.num_slots)
+        return np.concatenate([matrix, pad])
+
+    def precompile(self, calls: Sequence[Call], background: bool = False):
+        """Compile each call's program (in parallel threads) without running it; with
+        `background`, return at once the Future of their seconds (`CompiledSteps.compile_later`)."""
         todo = []
         for call in calls:
             name, matrix, static = self._program(call)
@@ -81,10 +147,14 @@ class Runner:
             todo.append((name, self._key(call, {**static, "mode": mode}),
                          (self._params, self._state, self._page_table(), jnp.asarray(matrix))
                          + inputs, mode, static))
+        if background:
+            return self.steps.compile_later(todo)
         self.steps.precompile(todo)
 
     def close(self) -> None:
-        """Stop the runner thread once its queued calls are done."""
+        """Stop the runner thread once its queued calls are done, and the background
+        compiles not yet started."""
+        self.steps.cancel_background()
         self._thread.shutdown(wait=True)
 
     # ----- inside ----------------------------------------------------------------------

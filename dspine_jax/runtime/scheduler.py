@@ -163,7 +163,12 @@ class Scheduler:
         # dummy prompt, neither a cost nor an acceptance
         self.learning = True
         self.row_sizes = row_fields.row_buckets(max_slots)
-        self.chunk_sizes = row_fields.row_buckets(config.prefill_chunk, minimum=16)
+        # chunks up to the first that holds the longest prompt (and a token) the context
+        # leaves room for: a larger one would never be taken
+        chunks = row_fields.row_buckets(config.prefill_chunk, minimum=16)
+        longest = max_model_len - spec.extra_capacity - 1
+        self.chunk_sizes = chunks[:next(i for i, t in enumerate(chunks)
+                                        if t >= longest or t == chunks[-1]) + 1]
         self.pages = SlotPages(max_slots, num_pages, spec.page_size, max_model_len)
         self._waiting: collections.deque[Request] = collections.deque()
         self._running: dict[int, Request] = {}      # slot -> request

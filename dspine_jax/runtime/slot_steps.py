@@ -26,9 +26,10 @@ last step's, so host work hides behind the device only while it is shorter than 
 
 Compiled functions live with their decoder, not with one EngineCore: a server restarted
 in-process (or several cores over one pipeline) compiles nothing twice. Calls are padded
-to a few sizes (`rows.row_buckets`: R and G in powers of 4, T from 16 in powers of 4 up to the
-prefill chunk), each compiled ahead of time per (size, sampling mode) key, all of them at
-start-up in parallel.
+to a few sizes (`rows.row_buckets`: R and G in powers of 4, T from 16 in powers of 4 up to
+the prefill chunk or the longest prompt), each compiled ahead of time per (size, sampling
+mode, width) key in parallel: at start-up those that run any request, the others in the
+background (`compile_later`).
 
 Shape legend: S slots, R decoding rows in a decode call (bucketed), G rows in a prefill
 call, T prefill chunk, F fields of a row, PPS pages per slot, W tokens and P passes a
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import logging
 import os
 import threading
 import time
@@ -50,6 +52,9 @@ from dspine_jax.decoding import BatchDecoder, DecodeState, request_keys
 from dspine_jax.runtime.rows import (BOOL_FIELDS, DECODE_FIELDS, FLOAT32_FIELDS, PREFILL_FIELDS,
                                      UINT32_FIELDS)
 from dspine_jax.sampling import params_for_mode
+
+log = logging.getLogger(__name__)
+
 
 def unpack_rows(rows: jax.Array, fields: tuple[str, ...]) -> dict[str, jax.Array]:
     """Row matrix [n, >= F] -> {field: [n]} in each field's own dtype."""
@@ -110,6 +115,9 @@ class CompiledSteps:
                      "decode": jax.jit(fns["decode"], donate_argnames=("state",),
                                        static_argnames=("mode", "width"))}
         self._executables: dict = {}
+        # (name, key) -> the Future of a program compiling in the background (`compile_later`)
+        self._pending: dict[tuple, concurrent.futures.Future] = {}
+        self._background: list[concurrent.futures.ThreadPoolExecutor] = []
         self.switches = decoder.switches
         self.compiles = 0            # programs compiled so far (a timed call must see none)
         self._spans: list[tuple[float, float]] = []    # (start, end) of each compile
@@ -119,9 +127,27 @@ class CompiledSteps:
         """Run call `name` (compiled for `key` on first use); `static`: decode's width."""
         executable = self._executables.get((name, key))
         if executable is None:
-            executable = self._executables[(name, key)] = self._compile(name, args, mode,
-                                                                        static)
+            pending = self._pending.get((name, key))
+            if pending is not None and not pending.cancelled():
+                # compiling in the background: wait for it rather than compile it twice
+                executable = self._executables[(name, key)] = pending.result()
+            else:
+                executable = self._executables[(name, key)] = self._compile(
+                    name, args, mode, static)
         return executable(*args)
+
+    def compiled(self, name: str, key) -> bool:
+        """Whether call `name`'s program for `key` is ready to run."""
+        return (name, key) in self._executables
+
+    def pending(self, name: str, key) -> bool:
+        """Whether call `name`'s program for `key` is compiling in the background."""
+        return (name, key) in self._pending
+
+    @property
+    def compiling(self) -> int:
+        """Programs still compiling in the background."""
+        return len(self._pending)
 
     def _compile(self, name: str, args, mode: str, static: dict):
         started = time.perf_counter()
@@ -172,6 +198,54 @@ class CompiledSteps:
             futures = {key: pool.submit(self._compile, key[0], *todo[key]) for key in todo}
             for key, future in futures.items():
                 self._executables[key] = future.result()
+
+    def compile_later(self, calls: list[tuple[str, object, tuple, str, dict]],
+                      workers: int | None = None) -> concurrent.futures.Future:
+        """`precompile` in background threads, in the order given, returning at once: each
+        program runs from when it is ready (`compiled`), and a call that needs one still
+        compiling waits for it rather than compiling it twice. The returned Future is done
+        (with the seconds taken) once every program has compiled."""
+        todo = [(n, k, a, g, s) for n, k, a, g, s in calls
+                if (n, k) not in self._executables and (n, k) not in self._pending]
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        if not todo:
+            done.set_result(0.0)
+            return done
+        started, left = time.perf_counter(), [len(todo)]
+        # one core fewer than the machine has: the engine serves meanwhile
+        pool = concurrent.futures.ThreadPoolExecutor(
+            workers or min(len(todo), max(1, (os.cpu_count() or 2) - 1)), "dspine-compile")
+        self._background.append(pool)
+
+        def finished(key, future):
+            if not future.cancelled() and future.exception() is None:
+                self._executables[key] = future.result()
+            elif not future.cancelled():
+                log.warning("compiling %s in the background failed (it compiles on first "
+                            "use): %r", key[0], future.exception())
+            with self._lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:        # its callbacks run before `compiling` reads 0
+                done.set_result(time.perf_counter() - started)
+            with self._lock:
+                self._pending.pop(key, None)
+
+        with self._lock:    # pending before a fast compile's callback can clear it
+            futures = [((name, key), pool.submit(self._compile, name, args, mode, static))
+                       for name, key, args, mode, static in todo]
+            self._pending.update(futures)
+        for key, future in futures:
+            future.add_done_callback(functools.partial(finished, key))
+        pool.shutdown(wait=False)       # its threads end with the last program
+        return done
+
+    def cancel_background(self) -> None:
+        """Drop the background programs that have not started compiling (those compiling
+        finish)."""
+        for pool in self._background:
+            pool.shutdown(wait=False, cancel_futures=True)
+        self._background.clear()
 
 
 def prefill_key(shapes: tuple, rows: int, chunk: int) -> tuple:

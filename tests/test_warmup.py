@@ -1,0 +1,122 @@
+"""The engine's start-up: `warmup` compiles the programs that run any request, the others
+compile in background threads, and until one is ready its calls run on a compiled program
+that computes the same rows (`Runner.cover`), so nothing compiles in the engine's thread
+and no request's tokens change."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from dspine_jax.engine import SpeculativeEngine
+from dspine_jax.generate import AutoregressiveGenerator
+from dspine_jax.runtime import slot_steps
+from dspine_jax.runtime.engine_core import EngineConfig, EngineCore, SamplingOptions
+from dspine_jax.runtime.offline import generate_tokens
+from dspine_jax.speculative.policy import CostTable, SpeculationConfig
+from tests.test_engine import PROMPTS, build
+
+BLOCK = 8
+
+
+def serve(core, requests):
+    """requests: (prompt, options) -> each one's tokens and the widths its passes ran at."""
+    for i, (prompt, options) in enumerate(requests):
+        core.add_request(str(i), prompt, options)
+    tokens = {str(i): [] for i in range(len(requests))}
+    widths = {str(i): set() for i in range(len(requests))}
+    while core.has_work():
+        for out in core.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.accept_lengths:
+                widths[out.request_id].add(out.verify_width)
+    return [tokens[str(i)] for i in range(len(requests))], set().union(*widths.values())
+
+
+@pytest.fixture
+def held_compiles(monkeypatch):
+    """Background compiles wait until the returned Event is set."""
+    gate = threading.Event()
+    real = slot_steps.CompiledSteps._compile
+
+    def gated(self, *args, **kwargs):
+        if threading.current_thread().name.startswith("dspine-compile"):
+            assert gate.wait(300)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(slot_steps.CompiledSteps, "_compile", gated)
+    yield gate
+    gate.set()
+
+
+def test_requests_run_on_the_first_programs_while_the_rest_compile(held_compiles):
+    target, drafter = build(kind="dspine", block=BLOCK)
+    ar = AutoregressiveGenerator(target, eos_token_ids=[0])
+    prompts = PROMPTS[:3]
+    want = [g.tokens for g in generate_tokens(ar, prompts, max_new_tokens=12).generations]
+    engine = SpeculativeEngine(target, drafter, eos_token_ids=[0], steps_per_call=2,
+                               speculation=SpeculationConfig("adaptive"))
+    engine.policy.costs = CostTable()      # a plain step (width 0) far the cheaper
+    for rows in (1, 4):
+        for width in (0, BLOCK - 1):
+            engine.policy.costs.set(rows, width, 1.0 if width == 0 else 100.0)
+    core = EngineCore(engine, EngineConfig(max_slots=4, max_model_len=64))
+    s = core.scheduler
+    assert s.row_sizes == [1, 4] and s.chunk_sizes == [16, 64] and s.widths == (0, BLOCK - 1)
+
+    core.warmup()
+    steps = slot_steps.compiled(engine)
+    # first: decode at rows 1 and 4 x greedy and filtered at width 7; prefill (1, 16),
+    # (1, 64), (4, 64). Later: the 6 decode programs at width 0, unfiltered at width 7
+    # (2), prefill (4, 16).
+    first = steps.compiles
+    assert first == 7 and core.compiling == 9 and core.stats().compiling == 9
+
+    greedy = SamplingOptions(max_tokens=12, temperature=0.0)
+    plain = SamplingOptions(max_tokens=12, temperature=1.0, seed=3)              # unfiltered
+    filtered = SamplingOptions(max_tokens=12, temperature=0.8, top_p=0.9, seed=4)
+    sampled = [(prompts[0], plain), (prompts[1], filtered)]
+    got, widths = serve(core, [(p, greedy) for p in prompts])       # prefill (4, 16) covered
+    assert got == want and widths == {BLOCK - 1}      # width 0 not compiled yet: the widest
+    alone, _ = serve(core, [(prompts[2], greedy)])
+    assert alone == want[2:]
+    covered, _ = serve(core, sampled)             # unfiltered rows in the filtered program
+    assert steps.compiles == first, "a call compiled in the engine's thread"
+
+    held_compiles.set()
+    deadline = time.monotonic() + 300
+    while core.compiling:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert steps.compiles == first + 9
+    got, widths = serve(core, [(p, greedy) for p in prompts])
+    assert got == want and widths == {0}          # the policy's choice, compiled now
+    own, _ = serve(core, sampled)
+    assert own == covered                          # a seeded sample, the same on either
+    assert steps.compiles == first + 9
+    core.close()
+
+
+def test_warmup_with_a_restricted_set_of_modes_compiles_only_those():
+    """A caller whose requests are all greedy compiles greedy programs alone, first or in
+    the background."""
+    target, drafter = build(kind="dspine", block=BLOCK)
+    engine = SpeculativeEngine(target, drafter, eos_token_ids=[0], steps_per_call=2,
+                               speculation=SpeculationConfig("fixed"))
+    core = EngineCore(engine, EngineConfig(max_slots=2, max_model_len=32))
+    s = core.scheduler
+    # no chunk past the first that holds the longest prompt the context leaves room for
+    assert s.row_sizes == [1, 2] and s.chunk_sizes == [16, 64] and len(s.widths) == 1
+    core.warmup(modes=("greedy",))
+    steps = slot_steps.compiled(engine)
+    deadline = time.monotonic() + 300
+    while core.compiling:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    modes = {key[2] for (name, key) in steps._executables if name == "decode"}
+    assert modes == {"greedy"}
+    # decode at rows 1, 2; prefill (1, 16), (1, 64), (2, 64), then (2, 16) later
+    assert steps.compiles == 6
+    core.close()
