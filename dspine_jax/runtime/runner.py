@@ -90,11 +90,10 @@ class Runner:
         """While the program of `call` compiles in the background (or is not compiled,
         while `covering`), run the call on a ready program that computes the same rows: a
         larger bucket of rows (padding rows) or of chunk (padding tokens), a more general
-        sampling mode, or the widest verify
-        width (adaptive speculation's width is a choice of speed; the accept rule is
-        exact at every width). `call` is changed in place (rows, requests, mode, width),
-        so what the engine records of it is what ran. Without a ready cover the call
-        waits for its own program."""
+        sampling mode, or the widest verify width (adaptive speculation's width is a
+        choice of speed; the accept rule is exact at every width). `call` is changed in
+        place (rows, requests, mode, width), so what the engine records of it is what
+        ran. Without a ready cover the call waits for its own program."""
         if not (self.steps.compiling or self.covering):
             return
         name, _, static = self._program(call)
@@ -138,7 +137,8 @@ class Runner:
 
     def precompile(self, calls: Sequence[Call], background: bool = False):
         """Compile each call's program (in parallel threads) without running it; with
-        `background`, return at once the Future of their seconds (`CompiledSteps.compile_later`)."""
+        `background`, return at once the Future of their seconds
+        (`CompiledSteps.compile_later`)."""
         todo = []
         for call in calls:
             name, matrix, static = self._program(call)
