@@ -97,6 +97,8 @@ class Runner:
         if not (self.steps.compiling or self.covering):
             return
         name, _, static = self._program(call)
+        if call.decode:
+            call.mode = static["mode"]      # read from the rows once: `submit` reuses it
         key = self._key(call, static)
         if self.steps.compiled(name, key) or not (self.covering or self.steps.pending(name,
                                                                                    key)):
