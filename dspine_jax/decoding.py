@@ -174,6 +174,19 @@ class BatchDecoder:
         self.shared_steps_per_call = min(shared_steps_per_call or steps_per_call,
                                          steps_per_call)
 
+    def program_identity(self) -> dict:
+        """Everything besides the code and the argument shapes that a traced program of
+        this decoder depends on (`program_store`): its runtime choices, the models'
+        configs, the attention backend and the EOS ids (the one array a program closes
+        over; the weights are arguments)."""
+        from dspine_jax.runtime.config import RuntimeConfig
+
+        return {"decoder": type(self).__qualname__,
+                "runtime": RuntimeConfig.of(self).to_json(), "target": repr(self.config),
+                "drafter": repr(getattr(self, "drafter_config", None)),
+                "attention": repr(self.attention), "eos": np.asarray(self.eos).tolist(),
+                "steps": [self.steps_per_call, self.shared_steps_per_call]}
+
     # ----- what a decoder defines --------------------------------------------------------
     def params(self) -> tuple:
         return (self.target_params,)

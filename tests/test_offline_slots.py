@@ -144,8 +144,9 @@ def test_compile_ahead_covers_what_the_run_takes(loaded, tiny_dspine_dir, monkey
 
 
 def test_generate_fills_the_compile_cache_it_is_given(tiny_llama_dir, tmp_path):
-    """`dspine generate` keeps its compiled programs in --compile-cache-dir (a process of
-    its own: the cache is a process-wide JAX setting), and `none` writes nothing."""
+    """`dspine generate` keeps its compiled programs in --compile-cache-dir, JAX's and the
+    program store's (a process of its own: the cache is a process-wide JAX setting); the
+    next run loads the stored programs, and `none` writes nothing."""
     import os
     import subprocess
     import sys
@@ -164,6 +165,12 @@ def test_generate_fills_the_compile_cache_it_is_given(tiny_llama_dir, tmp_path):
     first = generate(str(cache))
     programs = [p for p in cache.iterdir() if p.name.endswith("-cache")]
     assert any("decode_rows" in p.name for p in programs)
+    stored = {p: p.stat().st_mtime_ns for p in (cache / "programs").glob("*.program")}
+    assert stored
     assert generate(str(cache))["tokens"] == first["tokens"]
+    # the same programs, each read again (a read marks an entry recently used)
+    assert {p: p.stat().st_mtime_ns for p in (cache / "programs").glob("*.program")}.keys() \
+        == stored.keys()
+    assert all(p.stat().st_mtime_ns > t for p, t in stored.items())
     generate("none")
     assert not (tmp_path / "home" / "jax-compile-cache").exists()

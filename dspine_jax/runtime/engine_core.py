@@ -154,6 +154,12 @@ class EngineCore:
         """Programs still compiling in the background (after `warmup`)."""
         return self._runner.steps.compiling
 
+    @property
+    def programs(self) -> tuple[int, int]:
+        """(programs ready, of which read from the program store rather than compiled)."""
+        steps = self._runner.steps
+        return steps.compiles, steps.loaded
+
     def compiling_within(self, start: float, end: float) -> float:
         """Seconds of the perf_counter window [start, end] spent compiling."""
         return self._runner.steps.compiling_within(start, end)

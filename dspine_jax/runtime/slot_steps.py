@@ -48,6 +48,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from dspine_jax import compile_cache
 from dspine_jax.decoding import BatchDecoder, DecodeState, request_keys
 from dspine_jax.runtime.rows import (BOOL_FIELDS, DECODE_FIELDS, FLOAT32_FIELDS, PREFILL_FIELDS,
                                      UINT32_FIELDS)
@@ -120,6 +121,9 @@ class CompiledSteps:
         self._background: list[concurrent.futures.ThreadPoolExecutor] = []
         self.switches = decoder.switches
         self.compiles = 0            # programs compiled so far (a timed call must see none)
+        self.loaded = 0              # of which loaded from the program store
+        self._decoder = decoder
+        self._identity: dict | None = None    # decoder.program_identity(), when first needed
         self._spans: list[tuple[float, float]] = []    # (start, end) of each compile
         self._lock = threading.Lock()
 
@@ -150,12 +154,26 @@ class CompiledSteps:
         return len(self._pending)
 
     def _compile(self, name: str, args, mode: str, static: dict):
+        """The executable of call `name` for `args`: from the program store where it holds
+        it (nothing traced), else traced, compiled and stored."""
         started = time.perf_counter()
-        with self.switches.active():     # in this thread: a compile worker's too
-            executable = self._jit[name].lower(*args, mode=mode, **static).compile()
+        store = compile_cache.program_store()
+        executable = key = None
+        if store is not None:
+            if self._identity is None:
+                self._identity = self._decoder.program_identity()
+            key = store.key(self._identity, name, args, {"mode": mode, **static})
+            executable = store.load(key)
+        loaded = executable is not None
+        if not loaded:
+            with self.switches.active():     # in this thread: a compile worker's too
+                executable = self._jit[name].lower(*args, mode=mode, **static).compile()
+            if store is not None:
+                store.save(key, executable)
         ended = time.perf_counter()
         with self._lock:
             self.compiles += 1
+            self.loaded += loaded
             self._spans.append((started, ended))
         return executable
 
