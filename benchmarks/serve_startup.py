@@ -1,15 +1,15 @@
-"""How long `dspine serve` takes to be ready, from a cold compilation cache and on a
-restart that finds the programs there.
+"""How long `dspine serve` takes to be ready, from a cold compilation cache and on
+restarts that find the programs there.
 
     python -m dspine_benchmarks.serve_startup --drafter smollm2-135m-instruct-dspine \
-        --max-slots 8 --out startup.json
+        --max-slots 8 --restarts 5 --out startup.json
 
-Starts the server twice on one new compilation cache folder (`--compile-cache-dir`):
-each time it times the first answer on /health (503 "starting" while the server
-compiles the programs that run any request), the first 200, one completion, and the
-moment /health reports no program left compiling in the background; then it stops the
-server with SIGTERM.
-Extra arguments after `--` go to `dspine serve`.
+Starts the server on one new compilation cache folder (`--compile-cache-dir`), once cold
+and then `--restarts` times: each time it times the first answer on /health (503
+"starting" while the server compiles the programs that run any request), the first 200,
+one completion, and the moment /health reports no program left compiling in the
+background; then it stops the server with SIGTERM. The summary gives the restarts'
+medians. Extra arguments after `--` go to `dspine serve`.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import argparse
 import datetime
 import json
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -80,17 +81,26 @@ def main(argv=None) -> dict:
     ap.add_argument("--target", default=None)
     ap.add_argument("--drafter", default=None)
     ap.add_argument("--max-slots", type=int, default=8)
-    ap.add_argument("--port", type=int, default=8123, help="this one and the next")
+    ap.add_argument("--port", type=int, default=8123, help="this one and the next two")
+    ap.add_argument("--restarts", type=int, default=1, help="starts after the cold one")
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv[:cut])
     serve_args = (["--target", args.target] if args.target else []) + (
         ["--drafter", args.drafter] if args.drafter else []) + [
         "--max-slots", str(args.max_slots)] + argv[cut + 1:]
+    if args.restarts < 1:
+        ap.error("--restarts must be at least 1")
     with tempfile.TemporaryDirectory() as cache:
         report = {"date": datetime.date.today().isoformat(), "serve_args": serve_args,
-                  "cold": start(serve_args, cache, args.port, args.timeout),
-                  "restart": start(serve_args, cache, args.port + 1, args.timeout)}
+                  "cold": start(serve_args, cache, args.port, args.timeout)}
+        restarts = [start(serve_args, cache, args.port + 1 + i % 2, args.timeout)
+                    for i in range(args.restarts)]
+    report["restart"] = restarts[0]
+    report["restarts"] = restarts
+    report["restart_median"] = {
+        key: statistics.median(r[key] for r in restarts)
+        for key in ("ready_seconds", "first_completion_seconds", "all_compiled_seconds")}
     print(json.dumps(report, indent=1))
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))

@@ -291,7 +291,8 @@ def test_gradients_reach_only_trainable_parameters(target):
         return drafter_loss(config, model, out, labels, sup, target_logits=tlogits,
                             teacher_tokens=teacher, output_embedding=e_out, step=10)[0]
 
-    grads = nnx.grad(loss_fn, argnums=nnx.DiffState(0, nnx.Param))(drafter, e_in, e_out)
+    # jitted: eager dispatch of every op of the loss and its gradient is far slower
+    grads = nnx.jit(nnx.grad(loss_fn, argnums=nnx.DiffState(0, nnx.Param)))(drafter, e_in, e_out)
     names = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(grads)}
     assert not any(n.startswith("transfer_") for n in names)  # the basis is not trainable
     flat = {".".join(map(str, p)): np.asarray(v[...]) for p, v in nnx.to_flat_state(grads)}
@@ -340,13 +341,13 @@ def test_per_device_loss_shares_add_up_to_the_whole_batch(target):
                             teacher_tokens=teacher, output_embedding=e_out, step=3,
                             all_sum=all_sum)
 
-    (whole, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params, *batch)
+    (whole, metrics), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, *batch)
 
     def device(rows):  # one "device": one row, [1, ...]
         psum = lambda x: jax.lax.psum(x, "devices")  # noqa: E731
         return jax.value_and_grad(loss, has_aux=True)(params, *rows, all_sum=psum)
 
-    (shares, dev_metrics), dev_grads = jax.vmap(device, axis_name="devices")(
+    (shares, dev_metrics), dev_grads = jax.jit(jax.vmap(device, axis_name="devices"))(
         tuple(x[:, None] for x in batch))
     assert float(sup[0].sum()) != float(sup[1].sum())
     np.testing.assert_allclose(shares.sum(), whole, rtol=1e-5)

@@ -926,6 +926,8 @@ def test_serve_startup_benchmark(tiny_llama_dir, tmp_path):
                                  "--port", str(free_port(2)), "--out", str(out), "--",
                                  "--max-model-len", "64"])
     assert report == json.loads(out.read_text())
+    assert report["restarts"] == [report["restart"]]
+    assert report["restart_median"]["ready_seconds"] == report["restart"]["ready_seconds"]
     for start in ("cold", "restart"):
         run = report[start]
         assert run["completion_status"] == 200 and run["log"][1].startswith("ready")
