@@ -13,6 +13,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # device; set before anything imports triton (it reads the variable on import).
 if not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # The suite compiles hundreds of programs of tiny models, each run a few times: on a
+    # CPU, LLVM's optimisation of them costs more time than it saves (about a third of the
+    # suite). Set before JAX starts its backend, here and in the commands tests start.
+    os.environ["XLA_FLAGS"] = " ".join(
+        [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]).strip()
 
 
 @pytest.fixture(scope="session", autouse=True)
