@@ -8,7 +8,8 @@ cannot run in parallel (it holds the GIL). The store keeps each compiled executa
 
   * the code that traces it: a digest of every source file of `dspine_jax` and
     `pallas_kernels` (any edit is a new key);
-  * JAX, jaxlib, the platform and its version, the devices, XLA's flags;
+  * JAX, jaxlib, the platform and its version, the devices, XLA's flags, and JAX's
+    settings that change a trace (matmul precision, x64, the PRNG, ...);
   * the decoder (`BatchDecoder.program_identity`: method, model configs, attention
     backend, kernel switches, EOS ids, ...), the program's name and static arguments;
   * the structure, shapes, dtypes and shardings of every argument (the weights are
@@ -68,6 +69,19 @@ def platform_identity(xla_flags: str) -> dict:
             "x64": bool(jax.config.jax_enable_x64)}
 
 
+def trace_settings() -> list[str]:
+    """JAX's settings that change what a trace produces (matmul precision, x64, PRNG
+    implementation, ...): what `jax.jit` itself keys its traces on, read where the program
+    is traced."""
+    try:
+        from jax._src.config import trace_context
+    except ImportError:     # a JAX without it: the settings the engine is known to meet
+        return [repr(jax.config.jax_default_matmul_precision),
+                repr(jax.config.jax_enable_x64), repr(jax.config.jax_default_prng_impl)]
+    # an object printed with its address is no setting (the axis environment)
+    return [r for r in map(repr, trace_context()) if " at 0x" not in r]
+
+
 def describe_arguments(args) -> dict:
     """The tree, shapes, dtypes and shardings of a program's arguments."""
     leaves, treedef = jax.tree.flatten(args)
@@ -93,6 +107,7 @@ class ProgramStore:
         if self._platform is None:
             self._platform = platform_identity(self._xla_flags)
         material = {"format": FORMAT, "code": code_digest(), "platform": self._platform,
+                    "jax_settings": trace_settings(),
                     "decoder": identity, "program": name, "static": static,
                     "arguments": describe_arguments(args)}
         text = json.dumps(material, sort_keys=True, default=repr)

@@ -4,6 +4,8 @@ tracing, under a key of everything their trace depends on."""
 from __future__ import annotations
 
 import logging
+import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -99,6 +101,14 @@ def test_what_the_trace_depends_on_is_another_program(store, traces):
                             {"mode": "greedy", "width": 4})
     assert key != store.key(identity, "decode", (jnp.zeros((2, 3), jnp.int32),),
                             {"mode": "greedy", "width": 4})
+    # a JAX setting that changes the trace (float32 exactness runs use this one)
+    precision = jax.config.jax_default_matmul_precision
+    try:
+        jax.config.update("jax_default_matmul_precision", "highest")
+        assert key != store.key(identity, "decode", args, {"mode": "greedy", "width": 4})
+    finally:
+        jax.config.update("jax_default_matmul_precision", precision)
+    assert key == store.key(identity, "decode", args, {"mode": "greedy", "width": 4})
 
 
 def test_a_damaged_entry_is_dropped_and_compiled_again(store, traces, caplog):
@@ -123,6 +133,8 @@ def test_the_store_drops_its_least_recently_used_entries_past_its_size(tmp_path)
     size = (tmp_path / f"a{SUFFIX}").stat().st_size
     store.max_bytes = 2 * size
     assert store.save("b", program)
+    for age, name in ((200, "a"), (100, "b")):     # "a" written first (mtimes are coarse)
+        os.utime(tmp_path / f"{name}{SUFFIX}", (time.time() - age,) * 2)
     assert store.load("a") is not None      # used: "b" is now the least recent
     assert store.save("c", program)
     assert sorted(p.stem for p in tmp_path.glob(f"*{SUFFIX}")) == ["a", "c"]
