@@ -184,8 +184,7 @@ class BatchDecoder:
         return {"decoder": type(self).__qualname__,
                 "runtime": RuntimeConfig.of(self).to_json(), "target": repr(self.config),
                 "drafter": repr(getattr(self, "drafter_config", None)),
-                "attention": repr(self.attention), "eos": np.asarray(self.eos).tolist(),
-                "steps": [self.steps_per_call, self.shared_steps_per_call]}
+                "attention": repr(self.attention), "eos": np.asarray(self.eos).tolist()}
 
     # ----- what a decoder defines --------------------------------------------------------
     def params(self) -> tuple:

@@ -65,8 +65,7 @@ def platform_identity(xla_flags: str) -> dict:
     client = devices[0].client
     return {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
             "platform": client.platform, "platform_version": client.platform_version,
-            "devices": [d.device_kind for d in devices], "xla_flags": xla_flags,
-            "x64": bool(jax.config.jax_enable_x64)}
+            "devices": [d.device_kind for d in devices], "xla_flags": xla_flags}
 
 
 def trace_settings() -> list[str]:

@@ -95,8 +95,8 @@ def run(pipeline, engine_config: EngineConfig, *, model_name: str, sock: socket.
 
     def ready(seconds: float) -> None:
         later = engine.core.compiling
-        ready, stored = engine.core.programs
-        print(f"ready: {ready} programs in {seconds:.1f}s ({stored} from the program store; "
+        programs, stored = engine.core.programs
+        print(f"ready: {programs} programs in {seconds:.1f}s ({stored} from the program store; "
               f"{time.perf_counter() - t0:.1f}s after listening)"
               + (f"; {later} more programs compile in the background, their calls running "
                  "on these meanwhile" if later else ""), flush=True)

@@ -120,8 +120,8 @@ class CompiledSteps:
         self._pending: dict[tuple, concurrent.futures.Future] = {}
         self._background: list[concurrent.futures.ThreadPoolExecutor] = []
         self.switches = decoder.switches
-        self.compiles = 0            # programs compiled so far (a timed call must see none)
-        self.loaded = 0              # of which loaded from the program store
+        self.compiles = 0            # programs made ready so far (a timed call must see none)
+        self.loaded = 0              # of which read from the program store, not compiled
         self._decoder = decoder
         self._identity: dict | None = None    # decoder.program_identity(), when first needed
         self._spans: list[tuple[float, float]] = []    # (start, end) of each compile
