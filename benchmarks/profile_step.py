@@ -90,7 +90,7 @@ def profile(method: str, model, config, args, trace_dir: Path, peaks: dict) -> d
     passes = args.calls * args.steps_per_call
     new_tokens = context - args.prompt_len + 4 * (args.calls + 2) * args.steps_per_call
     decoder, _ = make_decoder(method, model, config, args, args.attention_backend,
-                              proposal=args.proposal)
+                              proposal=args.proposal, layers=args.layer_kernels)
     prompts = np.random.default_rng(0).integers(0, config.vocab_size,
                                                 size=(args.batch, args.prompt_len)).tolist()
     run = FixedBatch(decoder, prompts, max_new_tokens=new_tokens, ignore_eos=True,
@@ -119,7 +119,8 @@ def profile(method: str, model, config, args, trace_dir: Path, peaks: dict) -> d
                 * config.num_key_value_heads * config.head_dim * np.dtype(decoder.dtype).itemsize)
     groups = roofline.group_rows(events, passes, names, costs, peaks,
                                  bytes_override={"attention": float(kv_bytes)})
-    return {"method": method, "attention_backend": decoder.attention.name, "batch": args.batch,
+    return {"method": method, "attention_backend": decoder.attention.name,
+            "layer_kernels": args.layer_kernels, "batch": args.batch,
             "context": context, "temperature": args.temperature, "passes": passes,
             "trace": str(path), **summary, "groups": groups}
 
@@ -137,7 +138,8 @@ def main(argv=None):
     for method in args.methods:
         result = profile(method, model, config, args, trace_dir, peaks)
         results.append(result)
-        print(f"\n{method} ({result['attention_backend']}, batch {args.batch}, context "
+        print(f"\n{method} ({result['attention_backend']}, {args.layer_kernels} layers, "
+              f"batch {args.batch}, context "
               f"{context}, T {args.temperature:g}): {result['device_us_per_pass']:.0f} us of "
               "device time per pass")
         print(roofline.group_table(result["groups"]))

@@ -25,7 +25,8 @@ tau = 4, 6, 8 as tau * t_AR / t_step (against AR on the same backend and context
 floor is the bytes a pass must read (target + drafter weights and both caches) over the
 copy bandwidth measured in the same process.
 --context N and --attention-backend work as in decode_step.py: the caches' lengths jump
-to N after a --prompt-len prefill, and each backend is timed side by side.
+to N after a --prompt-len prefill, and each backend is timed side by side; so is each
+--layer-kernels value (xla, fused: the target's decode layers in four Pallas kernels).
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ def add_step_args(p: argparse.ArgumentParser, *, sweep: bool,
     p.add_argument("--attention-backend", default=one_or_list("auto"),
                    choices=["auto", "pallas", "xla"], **many,
                    help="attention backend(s)" + (", timed side by side" if sweep else ""))
+    p.add_argument("--layer-kernels", default=one_or_list("xla"), choices=["xla", "fused"],
+                   **many, help="the target's decode layers: XLA's kernels, or fused "
+                   "(pallas_kernels.decode_layer; CUDA GPUs)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--steps-per-call", type=int, default=8)
     p.add_argument("--calls", type=int, default=4)
@@ -102,14 +106,14 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def make_decoder(method, model, config, args, backend, proposal="sparse"):
+def make_decoder(method, model, config, args, backend, proposal="sparse", layers="xla"):
     from dspine_jax.drafters.config import DrafterConfig
     from dspine_jax.drafters.model import BlockDrafter
     from dspine_jax.engine import SpeculativeEngine
     from dspine_jax.generate import AutoregressiveGenerator
 
     options = dict(steps_per_call=args.steps_per_call, attention_backend=backend,
-                   page_size=args.page_size)
+                   page_size=args.page_size, layer_kernels=layers)
     if method == "ar":
         return AutoregressiveGenerator(model, **options), 0
     dconfig = DrafterConfig.for_target(config, kind=method, num_layers=args.draft_layers,
@@ -172,7 +176,7 @@ def stage_times(decoder, run, b, context, args, temperature=0.0, iterations: int
 
 
 def prepare_cell(method, b, context, backend, model, config, args, proposal="sparse",
-                 temperature=0.0):
+                 temperature=0.0, layers="xla"):
     """The engine of one cell and its compiled prefill and decode call (no timing)."""
     from dspine_jax.runtime.fixed_batch import FixedBatch
 
@@ -180,7 +184,7 @@ def prepare_cell(method, b, context, backend, model, config, args, proposal="spa
     # the cache capacity (which dense attention reads in full) the same as AR's.
     new_tokens = context - args.prompt_len + 4 * (args.calls + 2) * args.steps_per_call
     decoder, drafter_params = make_decoder(method, model, config, args, backend,
-                                           proposal)
+                                           proposal, layers)
     prompts = np.random.default_rng(0).integers(0, config.vocab_size,
                                                 size=(b, args.prompt_len)).tolist()
     run = FixedBatch(decoder, prompts, max_new_tokens=new_tokens, ignore_eos=True,
@@ -210,7 +214,9 @@ def bench(prepared, method, b, context, config, dtype, bandwidth, args, proposal
     step = statistics.median(loop() for _ in range(args.repeats))
     itemsize = np.dtype(dtype).itemsize
     floor_bytes = step_bytes(config, b, context + passes, itemsize) + drafter_params * itemsize
-    row = dict(method=method, attention_backend=decoder.attention.name, context=context,
+    row = dict(method=method, attention_backend=decoder.attention.name,
+               layer_kernels="xla" if decoder.layer_kernels is None else "fused",
+               context=context,
                batch=b, steps_per_call=args.steps_per_call, step_ms=step * 1e3,
                floor_ms=floor_bytes / bandwidth * 1e3,
                proposal=proposal if method != "ar" else "-", temperature=temperature,
@@ -225,14 +231,15 @@ def bench(prepared, method, b, context, config, dtype, bandwidth, args, proposal
 
 
 def cells(args, contexts) -> list[tuple]:
-    """(backend, context, batch, temperature, method, proposal) in run order: AR first in
-    each group, as the implied speedups divide by it."""
+    """(backend, context, batch, temperature, layer kernels, method, proposal) in run
+    order: AR first in each group, as the implied speedups divide by it."""
     out = []
-    for backend, context, b, temperature in itertools.product(
-            args.attention_backend, contexts, args.batch, args.temperature):
+    for backend, context, b, temperature, layers in itertools.product(
+            args.attention_backend, contexts, args.batch, args.temperature,
+            args.layer_kernels):
         for m in args.methods:
             for p in (["-"] if m == "ar" else args.proposal):
-                out.append((backend, context, b, temperature, m, p))
+                out.append((backend, context, b, temperature, layers, m, p))
     return out
 
 
@@ -248,13 +255,14 @@ def main(argv=None):
     # then are they timed one by one, since host-side dispatch is part of a step.
     with concurrent.futures.ThreadPoolExecutor(args.compile_workers) as pool:
         prepared = list(pool.map(
-            lambda c: prepare_cell(c[4], c[2], c[1], c[0], model, config, args,
-                                   "sparse" if c[5] == "-" else c[5], c[3]), todo))
+            lambda c: prepare_cell(c[5], c[2], c[1], c[0], model, config, args,
+                                   "sparse" if c[6] == "-" else c[6], c[3], c[4]), todo))
     print(f"compiled {len(todo)} cells", flush=True)
     rows = []
     ar_ms = {}
-    for (backend, context, b, temperature, method, proposal), ready in zip(todo, prepared):
-        group = (backend, context, b, temperature)
+    for (backend, context, b, temperature, layers, method, proposal), ready in zip(
+            todo, prepared):
+        group = (backend, context, b, temperature, layers)
         for width in ([None] if method == "ar" or not args.verify_width
                       else args.verify_width):
             row = bench(ready, method, b, context, config, dtype, bandwidth, args, proposal,
@@ -273,14 +281,16 @@ def main(argv=None):
             if args.out:
                 with open(args.out, "a") as f:
                     f.write(json.dumps(row) + "\n")
-    print(f"\n{'method':8} {'path':6} {'k':>3} {'T':>4} {'attn':6} {'context':>7} {'B':>3} "
+    print(f"\n{'method':8} {'path':6} {'k':>3} {'T':>4} {'attn':6} {'layers':6} "
+          f"{'context':>7} {'B':>3} "
           f"{'step ms':>9} {'floor':>7} "
           f"{'draft':>7} {'verify':>7} {'accept':>7} {'x@tau4':>7} {'x@tau6':>7} {'x@tau8':>7}")
     for r in rows:
         f = lambda k: f"{r[k]:7.2f}" if k in r else "      -"  # noqa: E731
         print(f"{r['method']:8} {r['proposal']:6} {r.get('verify_width', '-'):>3} "
               f"{r['temperature']:4.2g} "
-              f"{r['attention_backend']:6} {r['context']:7d} {r['batch']:3d} "
+              f"{r['attention_backend']:6} {r['layer_kernels']:6} {r['context']:7d} "
+              f"{r['batch']:3d} "
               f"{r['step_ms']:9.3f} {f('floor_ms')} "
               f"{f('draft_ms')} {f('verify_ms')} {f('accept_ms')} {f('speedup_tau4')} "
               f"{f('speedup_tau6')} {f('speedup_tau8')}")

@@ -36,6 +36,7 @@ from flax import nnx, struct
 from dspine_jax import row_keys
 from dspine_jax.attention import AttentionBackend, select_backend
 from dspine_jax.errors import InputError
+from dspine_jax.fused_layers import FusedLayers, select_layer_kernels
 from dspine_jax.page_pool import DEFAULT_PAGE_SIZE
 from dspine_jax.sampling import sample_tokens
 from dspine_jax.target import TargetModel
@@ -150,13 +151,17 @@ class BatchDecoder:
                  steps_per_call: int = 8, shared_steps_per_call: int | None = None,
                  attention_backend: str | AttentionBackend | None = "auto",
                  page_size: int = DEFAULT_PAGE_SIZE,
-                 switches: Switches | None = None):
+                 switches: Switches | None = None,
+                 layer_kernels: str | FusedLayers = "xla"):
         """attention_backend: "auto" (pallas where the platform compiles it, else xla),
         "pallas", "xla" or an AttentionBackend. switches: the kernel and search variants
         every program of this decoder is traced with (default: the DSPINE_* variables,
         read now; `pallas_kernels.switches`). steps_per_call: target passes per decode
         call (at most); shared_steps_per_call: the engine's passes per call while several
-        rows decode or requests wait (default and at most steps_per_call)."""
+        rows decode or requests wait (default and at most steps_per_call).
+        layer_kernels: "xla", or "fused" (the target's layers of decode steps and
+        verification passes through Pallas kernels, `dspine_jax.fused_layers`; CUDA GPUs)
+        or a FusedLayers."""
         for name, value in (("steps_per_call", steps_per_call),
                             ("shared_steps_per_call", shared_steps_per_call)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
@@ -168,6 +173,7 @@ class BatchDecoder:
         self.page_size = page_size
         self.attention = select_backend(attention_backend, self.attention_configs(target),
                                         dtype=target.dtype, page_size=page_size)
+        self.layer_kernels = select_layer_kernels(layer_kernels, target.config)
         self.target_graph, self.target_params = nnx.split(target)
         self.eos = jnp.asarray(list(eos_token_ids) or [-1], jnp.int32)
         self.steps_per_call = steps_per_call

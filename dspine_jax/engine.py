@@ -129,6 +129,7 @@ class SpeculativeEngine(BatchDecoder):
                                            tokens.shape[1], q_lens=q_lens)
         out = self.target(params)(tokens, target_cache, metadata=metadata,
                                   attention=self.attention, hidden_layer_ids=self.layer_ids,
+                                  layer_kernels=self.layer_kernels,
                                   logits_at=jnp.maximum(q_lens - 1, 0)[:, None])
         context = self.drafter(params).extend_context(context, out.features(), q_lens,
                                                       attention=self.attention)
@@ -152,7 +153,8 @@ class SpeculativeEngine(BatchDecoder):
     def verify(self, params, state: DecodeState, proposal: Proposal, sampling, rng):
         block = jnp.concatenate([state.last_token[:, None], proposal.tokens], axis=1)
         out = self.target(params)(block, state.caches[0], attention=self.attention,
-                                  hidden_layer_ids=self.layer_ids)
+                                  hidden_layer_ids=self.layer_ids,
+                                  layer_kernels=self.layer_kernels)
         with jax.named_scope("accept"):
             if self.proposal_impl == "dense":
                 p = target_probabilities(out.logits, sampling)
@@ -162,7 +164,8 @@ class SpeculativeEngine(BatchDecoder):
     def plain_step(self, params, state: DecodeState, sampling, rng):
         """Width 0: the target alone on the anchor, its token sampled as AR samples it."""
         out = self.target(params)(state.last_token[:, None], state.caches[0],
-                                  attention=self.attention, hidden_layer_ids=self.layer_ids)
+                                  attention=self.attention, hidden_layer_ids=self.layer_ids,
+                                  layer_kernels=self.layer_kernels)
         with jax.named_scope("sample"):
             token = sample_tokens(out.logits[:, 0], sampling, rng)
         b = token.shape[0]

@@ -23,7 +23,7 @@ class AutoregressiveGenerator(BatchDecoder):
         metadata = AttentionMetadata.paged(caches[0].lengths, caches[0].page_table,
                                            tokens.shape[1], q_lens=q_lens)
         out = self.target(params)(tokens, caches[0], metadata=metadata,
-                                  attention=self.attention,
+                                  attention=self.attention, layer_kernels=self.layer_kernels,
                                   logits_at=jnp.maximum(q_lens - 1, 0)[:, None])
         return out.logits[:, 0], (out.cache,)
 
@@ -31,7 +31,8 @@ class AutoregressiveGenerator(BatchDecoder):
              width: int | None = None) -> DecodeState:
         """One token per row; `width` (a speculative engine's verify width) is always 0."""
         cache = state.caches[0]
-        out = self.target(params)(state.last_token[:, None], cache, attention=self.attention)
+        out = self.target(params)(state.last_token[:, None], cache, attention=self.attention,
+                                  layer_kernels=self.layer_kernels)
         with jax.named_scope("sample"):
             token = sample_tokens(out.logits[:, 0], sampling, step_keys(state))
         active = ~state.done

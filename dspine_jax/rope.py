@@ -73,12 +73,17 @@ def _yarn_frequencies(config: TargetConfig, s: dict) -> tuple[np.ndarray, float]
     return inv_freq, float(attention_factor)
 
 
+def rope_table(positions: jnp.ndarray, inv_freq: np.ndarray,
+               attention_factor: float = 1.0) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """cos and sin [..., H/2] float32 of integer positions [...] (scaling included)."""
+    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
+    return jnp.cos(angles) * attention_factor, jnp.sin(angles) * attention_factor
+
+
 def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, inv_freq: np.ndarray,
                attention_factor: float = 1.0) -> jnp.ndarray:
     """Rotate x [B, T, N, H] at integer positions [B, T]; float32 math, x's dtype out."""
-    # [B, T, H/2]
-    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
-    cos = (jnp.cos(angles) * attention_factor)[:, :, None, :]
-    sin = (jnp.sin(angles) * attention_factor)[:, :, None, :]
+    # [B, T, 1, H/2]
+    cos, sin = (c[:, :, None, :] for c in rope_table(positions, inv_freq, attention_factor))
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)

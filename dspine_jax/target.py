@@ -21,6 +21,7 @@ from flax import nnx, struct
 from dspine_jax.attention import AttentionBackend, AttentionMetadata, XlaBackend
 from dspine_jax.config import TargetConfig
 from dspine_jax.errors import ConfigError
+from dspine_jax.fused_layers import FusedLayers, rope_rows
 from dspine_jax.kv_cache import PagedKVCache
 from dspine_jax.layers import MLP, Embedding, Linear, RMSNorm
 from dspine_jax.rope import apply_rope, rope_frequencies
@@ -106,6 +107,31 @@ class DecoderLayer(nnx.Module):
         with jax.named_scope("mlp"):
             return x + self.mlp(h), pages
 
+    def fused(self, x, metadata, attention, pages, kernels: FusedLayers, rope_rows):
+        """The same layer through `kernels`' four ops (`dspine_jax.fused_layers`);
+        rope_rows: the (cos, sin) [B * T, H/2] of metadata.positions."""
+        norm_qkv_rope, matmul_residual, norm_swiglu = kernels.ops()
+        a, mlp, c = self.self_attn, self.mlp, self.self_attn.config
+        b, t, d = x.shape
+        rows = x.reshape(b * t, d)
+        head_norms = (a.q_norm.weight[...], a.k_norm.weight[...]) if c.qk_norm else ()
+        with jax.named_scope("qkv"):
+            q, k, v = norm_qkv_rope(rows, self.input_layernorm.weight[...],
+                                    a.q_proj.weight[...], a.k_proj.weight[...],
+                                    a.v_proj.weight[...], *rope_rows, *head_norms,
+                                    eps=c.rms_norm_eps)
+        heads = lambda y: y.reshape(b, t, -1, c.head_dim)  # noqa: E731
+        with jax.named_scope("attention"):
+            out, pages = attention(heads(q), heads(k), heads(v), metadata, pages)
+        with jax.named_scope("o_proj"):
+            rows = matmul_residual(out.reshape(b * t, -1), a.o_proj.weight[...], rows)
+        with jax.named_scope("mlp"):
+            act = norm_swiglu(rows, self.post_attention_layernorm.weight[...],
+                              mlp.gate_proj.weight[...], mlp.up_proj.weight[...],
+                              eps=c.rms_norm_eps)
+            rows = matmul_residual(act, mlp.down_proj.weight[...], rows)
+        return rows.reshape(b, t, d), pages
+
 
 class TargetModel(nnx.Module):
     """A decoder-only LM. Attribute names mirror HF's (`model.` prefix dropped)."""
@@ -141,7 +167,8 @@ class TargetModel(nnx.Module):
                  attention: AttentionBackend | None = None,
                  hidden_layer_ids: Sequence[int] = (),
                  logits_at: jax.Array | None = None,
-                 return_logits: bool = True) -> TargetOutput:
+                 return_logits: bool = True,
+                 layer_kernels: FusedLayers | None = None) -> TargetOutput:
         """Forward T new tokens per row.
 
         tokens [B, T]. With a cache, row b's tokens sit at positions lengths[b] + (0..T-1),
@@ -150,7 +177,8 @@ class TargetModel(nnx.Module):
         (ragged prefill: only the first q_lens[b] tokens are real, and the returned
         lengths are metadata.kv_lens). Without a cache, positions default to 0..T-1 and
         attention is causal over the T tokens. `attention` defaults to dense XLA.
-        `logits_at` [B, M] picks which positions get logits.
+        `logits_at` [B, M] picks which positions get logits. `layer_kernels` runs the
+        layers of paged calls of few rows through fused kernels (`FusedLayers`).
         """
         b, t = tokens.shape
         bad = [i for i in hidden_layer_ids if not 0 <= i < self.config.num_hidden_layers]
@@ -168,10 +196,16 @@ class TargetModel(nnx.Module):
 
         with jax.named_scope("embed"):
             x = self.embed_tokens(tokens)
+        fused = layer_kernels is not None and layer_kernels.applies(b * t, metadata.is_paged)
+        if fused:
+            table = rope_rows(self.config, metadata.positions)
         picked, k_pages, v_pages = [], [], []
         for i, layer in enumerate(self.layers):
             pages = None if cache is None else (cache.k_pages[i], cache.v_pages[i])
-            x, pages = layer(x, metadata, attention, pages)
+            if fused:
+                x, pages = layer.fused(x, metadata, attention, pages, layer_kernels, table)
+            else:
+                x, pages = layer(x, metadata, attention, pages)
             if cache is not None:
                 k_pages.append(pages[0])
                 v_pages.append(pages[1])

@@ -2,9 +2,9 @@
 
 `RuntimeConfig`: the decoder's choices (the method, the weights' dtype, the attention
 backend it resolved to, passes per host call, the KV page size, the proposal path and
-kernel and the speculation settings of a drafter, and the kernel switches). It is read off
-a built decoder (`RuntimeConfig.of`), so it says what runs rather than what was asked for
-("auto" resolved where the decoder resolves it).
+kernel and the speculation settings of a drafter, the kernel switches and the target
+layers' kernels). It is read off a built decoder (`RuntimeConfig.of`), so it says what
+runs rather than what was asked for ("auto" resolved where the decoder resolves it).
 
 `EngineConfig`: the engine's (slots, the longest request, the page pool, the prefill
 chunk, the waiting queue, the verify widths compiled). It is checked when it is made; the
@@ -21,6 +21,7 @@ import dataclasses
 import numpy as np
 
 from dspine_jax.errors import InputError
+from dspine_jax.fused_layers import layer_kernels_name
 
 DEFAULT_PREFILL_CHUNK = 512
 
@@ -37,6 +38,7 @@ class RuntimeConfig:
     proposal_kernel: str | None = None
     speculation: dict | None = None  # SpeculationConfig.to_json() and the compiled widths
     switches: dict = dataclasses.field(default_factory=dict)
+    layer_kernels: str = "xla"       # the target's decode layers: xla or fused
 
     @classmethod
     def of(cls, decoder) -> "RuntimeConfig":
@@ -52,7 +54,8 @@ class RuntimeConfig:
                    proposal_kernel=getattr(decoder, "proposal_kernel", None),
                    speculation=({**speculative.to_json(), "widths": list(decoder.widths)}
                                 if speculative is not None else None),
-                   switches=decoder.switches.to_json())
+                   switches=decoder.switches.to_json(),
+                   layer_kernels=layer_kernels_name(decoder.layer_kernels))
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

@@ -1,0 +1,242 @@
+"""pallas_kernels.decode_layer: the fused decode-layer ops against float64 numpy (float32
+inputs) and against their plain-JAX reference (bfloat16), the GPU kernels in Pallas
+interpret mode; a target whose decode layers run fused against the same target through
+XLA's layers (logits and written pages); a decoder built with fused layers gives AR's
+greedy tokens, also speculatively. The `gpu`-marked test compiles the kernels and skips
+where JAX has no CUDA."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dspine_jax.config import TargetConfig
+from dspine_jax.errors import ConfigError
+from dspine_jax.fused_layers import FusedLayers, select_layer_kernels
+from dspine_jax.generate import AutoregressiveGenerator
+from dspine_jax.kv_cache import PagedKVCache
+from dspine_jax.runtime.config import RuntimeConfig
+from dspine_jax.runtime.offline import generate_tokens
+from dspine_jax.target import TargetModel
+from pallas_kernels.decode_layer import matmul_residual, norm_qkv_rope, norm_swiglu
+
+EPS = 1e-6
+INTERPRET = {"implementation": "pallas_gpu", "interpret": True}
+
+
+def _draw(rng, shape, dtype, scale=1.0):
+    return jnp.asarray(rng.standard_normal(shape) * scale, dtype)
+
+
+def _inputs(r, d=96, heads=3, kv_heads=1, head_dim=64, f=80, dtype="float32", seed=0):
+    rng = np.random.default_rng(seed + r)
+    angles = rng.uniform(0, 2 * np.pi, (r, head_dim // 2))
+    return dict(
+        x=_draw(rng, (r, d), dtype), norm=_draw(rng, (d,), dtype),
+        wq=_draw(rng, (heads * head_dim, d), dtype, 0.1),
+        wk=_draw(rng, (kv_heads * head_dim, d), dtype, 0.1),
+        wv=_draw(rng, (kv_heads * head_dim, d), dtype, 0.1),
+        cos=jnp.asarray(np.cos(angles), jnp.float32), sin=jnp.asarray(np.sin(angles), jnp.float32),
+        q_norm=_draw(rng, (head_dim,), dtype), k_norm=_draw(rng, (head_dim,), dtype),
+        wg=_draw(rng, (f, d), dtype, 0.1), wu=_draw(rng, (f, d), dtype, 0.1),
+        a=_draw(rng, (r, f), dtype), wd=_draw(rng, (d, f), dtype, 0.1))
+
+
+# ----- float64 numpy: what the ops compute, independently of JAX --------------------------
+def _f64(x):
+    return np.asarray(x, np.float64)
+
+
+def np_rms(x, w):
+    return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + EPS) * w
+
+
+def np_qkv(i, head_norms):
+    h = np_rms(_f64(i["x"]), _f64(i["norm"]))
+    hd = 2 * i["cos"].shape[1]
+    c, s = _f64(i["cos"])[:, None], _f64(i["sin"])[:, None]
+
+    def heads(w, norm, rotate):
+        y = (h @ _f64(w).T).reshape(len(h), -1, hd)
+        if norm is not None:
+            y = np_rms(y, _f64(norm))
+        if rotate:
+            y1, y2 = y[..., :hd // 2], y[..., hd // 2:]
+            y = np.concatenate([y1 * c - y2 * s, y2 * c + y1 * s], -1)
+        return y.reshape(len(h), -1)
+
+    qn, kn = (i["q_norm"], i["k_norm"]) if head_norms else (None, None)
+    return heads(i["wq"], qn, True), heads(i["wk"], kn, True), heads(i["wv"], None, False)
+
+
+def np_swiglu(i):
+    h = np_rms(_f64(i["x"]), _f64(i["norm"]))
+    g, u = h @ _f64(i["wg"]).T, h @ _f64(i["wu"]).T
+    return g / (1 + np.exp(-g)) * u
+
+
+def np_residual(i):
+    return _f64(i["a"]) @ _f64(i["wd"]).T + _f64(i["x"])
+
+
+def _qkv(i, head_norms, **kw):
+    norms = (i["q_norm"], i["k_norm"]) if head_norms else ()
+    return norm_qkv_rope(i["x"], i["norm"], i["wq"], i["wk"], i["wv"], i["cos"], i["sin"],
+                         *norms, eps=EPS, **kw)
+
+
+ROWS = [1, 5, 16, 19]      # one row, a few, one full tile, past one tile
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas_gpu"])
+@pytest.mark.parametrize("rows", ROWS)
+def test_ops_match_float64(implementation, rows):
+    kw = {"implementation": implementation, "interpret": implementation != "xla"}
+    i = _inputs(rows)
+    for head_norms in (False, True):
+        for got, want in zip(_qkv(i, head_norms, **kw), np_qkv(i, head_norms)):
+            np.testing.assert_allclose(_f64(got), want, rtol=1e-5, atol=1e-5)
+    got = norm_swiglu(i["x"], i["norm"], i["wg"], i["wu"], eps=EPS, **kw)
+    np.testing.assert_allclose(_f64(got), np_swiglu(i), rtol=1e-5, atol=1e-5)
+    got = matmul_residual(i["a"], i["wd"], i["x"], **kw)
+    np.testing.assert_allclose(_f64(got), np_residual(i), rtol=1e-5, atol=1e-5)
+
+
+def _steps_apart(got, want, dtype=jnp.bfloat16):
+    """|got - want| in units of the dtype's spacing at each row's largest |want| (a sum
+    near zero, e.g. a RoPE difference, keeps the rounding error of its terms)."""
+    scale = np.max(np.abs(_f64(want)), axis=-1, keepdims=True)
+    return np.abs(_f64(got) - _f64(want)) / (float(jnp.finfo(dtype).eps) * scale)
+
+
+@pytest.mark.parametrize("rows", [1, 19])
+def test_bf16_kernels_round_like_the_reference(rows):
+    """bf16 activations and weights: each output within 2 bf16 steps (at its row's
+    scale) of the reference's: float32 sums in another order may round the other way."""
+    i = _inputs(rows, dtype="bfloat16")
+    pairs = list(zip(_qkv(i, True, **INTERPRET), _qkv(i, True, implementation="xla")))
+    pairs.append((norm_swiglu(i["x"], i["norm"], i["wg"], i["wu"], eps=EPS, **INTERPRET),
+                  norm_swiglu(i["x"], i["norm"], i["wg"], i["wu"], eps=EPS,
+                              implementation="xla")))
+    pairs.append((matmul_residual(i["a"], i["wd"], i["x"], **INTERPRET),
+                  matmul_residual(i["a"], i["wd"], i["x"], implementation="xla")))
+    for got, want in pairs:
+        assert got.dtype == jnp.bfloat16
+        assert np.max(_steps_apart(got, want)) <= 2
+
+
+def test_bad_shapes_are_named():
+    i = _inputs(3)
+    with pytest.raises(ValueError, match="cos and sin"):
+        norm_qkv_rope(i["x"], i["norm"], i["wq"], i["wk"], i["wv"], i["cos"][:2], i["sin"],
+                      eps=EPS)
+    with pytest.raises(ValueError, match="q_norm and k_norm go together"):
+        norm_qkv_rope(i["x"], i["norm"], i["wq"], i["wk"], i["wv"], i["cos"], i["sin"],
+                      i["q_norm"], eps=EPS)
+    with pytest.raises(ValueError, match="whole heads"):
+        norm_qkv_rope(i["x"], i["norm"], i["wq"][:100], i["wk"], i["wv"], i["cos"], i["sin"],
+                      eps=EPS)
+    with pytest.raises(ValueError, match=r"w_gate must be \[out, 96\]"):
+        norm_swiglu(i["x"], i["norm"], i["wg"][:, :50], i["wu"], eps=EPS)
+    with pytest.raises(ValueError, match="residual must be"):
+        matmul_residual(i["a"], i["wd"], i["x"][:2])
+    with pytest.raises(ValueError, match="dtype"):
+        matmul_residual(i["a"], i["wd"].astype(jnp.bfloat16), i["x"])
+
+
+# ----- the target's layers ---------------------------------------------------------------
+LLAMA = TargetConfig(family="llama", vocab_size=61, hidden_size=64, intermediate_size=96,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=32, max_position_embeddings=256, tie_word_embeddings=True)
+QWEN3 = TargetConfig(family="qwen3", vocab_size=61, hidden_size=64, intermediate_size=96,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=32, max_position_embeddings=256, tie_word_embeddings=True)
+FUSED = FusedLayers(**INTERPRET)
+
+
+def _target(config, seed=0):
+    model = TargetModel(config, rngs=nnx.Rngs(seed))
+    for _, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        if var[...].ndim == 1:      # norms other than all-ones
+            var[...] = 1 + 0.3 * jax.random.normal(jax.random.key(seed + 7), var.shape)
+    return model
+
+
+@pytest.mark.parametrize("config", [LLAMA, QWEN3], ids=["llama", "qwen3"])
+@pytest.mark.parametrize("rows,tokens", [(2, 1), (1, 5)], ids=["decode", "verify"])
+def test_fused_target_step_matches_xla_layers(config, rows, tokens):
+    """Prompts prefilled by XLA's layers, then a decode step of two rows or a 5-token
+    verification block of one row with fused layers: the same logits and pages."""
+    model = _target(config)
+    page_table = jnp.arange(2 * rows, dtype=jnp.int32).reshape(rows, 2)
+    cache = PagedKVCache.create(config, page_table, 2 * rows, page_size=16,
+                                dtype=jnp.float32)
+    prompt = jnp.asarray(np.random.default_rng(1).integers(0, 61, (rows, 9)), jnp.int32)
+    cache = model(prompt, cache).cache
+    block = prompt[:, :tokens]
+    want = model(block, cache)
+    got = model(block, cache, layer_kernels=FUSED)
+    np.testing.assert_allclose(got.logits, want.logits, rtol=1e-4, atol=1e-4)
+    for g, w in zip(got.cache.k_pages + got.cache.v_pages,
+                    want.cache.k_pages + want.cache.v_pages):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got.cache.lengths, want.cache.lengths)
+
+
+def test_fused_layers_leave_large_calls_to_xla():
+    """A call of more rows than max_rows (a prefill chunk) traces no fused kernel."""
+    model = _target(LLAMA)
+    page_table = jnp.asarray([[0, 1]], jnp.int32)
+    cache = PagedKVCache.create(LLAMA, page_table, 2, page_size=16, dtype=jnp.float32)
+    tokens = jnp.zeros((1, 17), jnp.int32)
+
+    def traced(t):
+        return str(jax.make_jaxpr(lambda c: model(t, c, layer_kernels=FUSED).logits)(cache))
+
+    assert "norm_qkv_rope" not in traced(tokens)
+    assert "norm_qkv_rope" in traced(tokens[:, :4])
+
+
+def test_decoder_with_fused_layers_gives_ar_tokens():
+    """Greedy AR through fused layers equals AR through XLA's layers, and the runtime
+    record says which ran."""
+    model = _target(LLAMA, seed=3)
+    prompts = [[5, 9, 11], [7, 2, 30, 41, 8, 1]]
+    plain = AutoregressiveGenerator(model, eos_token_ids=[0], steps_per_call=4)
+    fused = AutoregressiveGenerator(model, eos_token_ids=[0], steps_per_call=4,
+                                    layer_kernels=FUSED)
+    want = generate_tokens(plain, prompts, max_new_tokens=10, ignore_eos=True).generations
+    got = generate_tokens(fused, prompts, max_new_tokens=10, ignore_eos=True).generations
+    assert [g.tokens for g in got] == [w.tokens for w in want]
+    assert RuntimeConfig.of(fused).layer_kernels == "fused"
+    assert RuntimeConfig.of(plain).layer_kernels == "xla"
+
+
+def test_layer_kernel_choice_is_checked():
+    with pytest.raises(ConfigError, match="layer_kernels must be one of"):
+        select_layer_kernels("fast", LLAMA)
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ConfigError, match="CUDA GPUs"):
+            select_layer_kernels("fused", LLAMA)
+    biased = TargetConfig(**{**LLAMA.__dict__, "attention_bias": True})
+    assert "biased" in FusedLayers.unsupported(biased)
+    assert select_layer_kernels("xla", LLAMA) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows", [1, 8, 16])
+def test_gpu_kernels_compile_and_match(rows):
+    i = _inputs(rows, d=576, heads=9, kv_heads=3, head_dim=64, f=1536, dtype="bfloat16")
+    kw = {"implementation": "pallas_gpu"}
+    pairs = list(zip(_qkv(i, True, **kw), _qkv(i, True, implementation="xla")))
+    pairs.append((norm_swiglu(i["x"], i["norm"], i["wg"], i["wu"], eps=EPS, **kw),
+                  norm_swiglu(i["x"], i["norm"], i["wg"], i["wu"], eps=EPS,
+                              implementation="xla")))
+    pairs.append((matmul_residual(i["a"], i["wd"], i["x"], **kw),
+                  matmul_residual(i["a"], i["wd"], i["x"], implementation="xla")))
+    for got, want in pairs:
+        assert np.max(_steps_apart(got, want)) <= 2
