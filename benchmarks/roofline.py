@@ -234,6 +234,20 @@ def measure_peaks(dtype=None) -> dict:
 
 
 # ----- the table -----------------------------------------------------------------------------
+def resolve_kernel_names(events: list[dict], known) -> list[dict]:
+    """Events named after the HLO instruction they ran: a library kernel (cuBLAS's
+    `nvjet_*`, cuDNN's) is named after itself in a GPU trace, and its HLO instruction (the
+    custom call whose op_name and costs are known) is in the event's `hlo_op` argument.
+    Events already named after a `known` instruction stay as they are."""
+    out = []
+    for e in events:
+        hlo_op = e.get("args", {}).get("hlo_op")
+        if e["name"] not in known and hlo_op in known:
+            e = {**e, "name": hlo_op, "kernel": e["name"]}
+        out.append(e)
+    return out
+
+
 def group_rows(events: list[dict], passes: int, op_names: dict[str, str],
                costs: dict[str, Cost], peaks: dict,
                bytes_override: dict[str, float] | None = None) -> list[dict]:

@@ -66,6 +66,25 @@ def test_group_rows_put_each_group_against_the_measured_peaks():
     assert override[0]["bytes_per_pass"] == 5e5
 
 
+def test_library_kernels_are_named_after_their_hlo_instruction():
+    """A cuBLAS kernel in a GPU trace is named after itself; its custom call (with its
+    op_name and costs) is the event's hlo_op: grouped by that, not as 'other'."""
+    names = {"custom-call.7": "jit(decode_rows)/while/body/mlp/dot_general",
+             "gemm_fusion_dot.1": "jit(decode_rows)/while/body/qkv/dot_general"}
+    costs = {"custom-call.7": roofline.Cost(bytes=4e6, flops=2e9)}
+    events = [{"name": "nvjet_sm90_tss_96x128_64x7_2x1_v_bz_TNN", "dur": 50.0,
+               "args": {"hlo_op": "custom-call.7"}},
+              {"name": "gemm_fusion_dot.1", "dur": 10.0, "args": {"hlo_op": "fusion.3"}},
+              {"name": "memcpy32_post", "dur": 1.0}]
+    resolved = roofline.resolve_kernel_names(events, set(names) | set(costs))
+    assert [e["name"] for e in resolved] == ["custom-call.7", "gemm_fusion_dot.1",
+                                             "memcpy32_post"]
+    peaks = {"copy_gb_s": 100.0, "matmul_tflop_s": 10.0}
+    rows = {r["group"]: r for r in roofline.group_rows(resolved, 1, names, costs, peaks)}
+    assert rows["mlp"]["us_per_pass"] == 50 and rows["mlp"]["flops_per_pass"] == 2e9
+    assert rows["qkv"]["us_per_pass"] == 10 and "other" in rows
+
+
 def test_profile_step_counts_the_models_gemm_flops(tiny_llama_dir, tmp_path):
     """A DSpine pass's named GEMMs: each group's FLOPs per pass are what the model's shapes
     give (2 x tokens x in x out per weight), not a multiple of it."""

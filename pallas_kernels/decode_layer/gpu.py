@@ -37,6 +37,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 BLOCK_R = 16                    # Triton's dot needs 16 rows; a decode step fills one tile
+NUM_WARPS = 4
+NUM_STAGES = 3                  # weight chunks in flight: a program's loop is latency-bound
 
 
 def block_d(d: int) -> int:
@@ -76,10 +78,10 @@ def _inverse_rms(x_ref, rows, eps, bd):
     return lax.rsqrt(total / d + eps)
 
 
-def _project(x_ref, rows, w_refs_cols, bd, precision, norm=None):
+def _project(x_ref, rows, w_slices, bd, precision, norm=None):
     """The [BR, BN] float32 products of the rows of x [R, D] (rms-normed first when
-    norm = (weight_ref, inverse_rms [BR])) with each (weight ref [O, D], columns [BN]):
-    one pass over D in BD-wide chunks, every weight slice read once."""
+    norm = (weight_ref, inverse_rms [BR])) with each (weight ref [O, D], first output
+    column, BN): one pass over D in BD-wide chunks, every weight slice read once."""
     d = x_ref.shape[1]
     dtype = x_ref.dtype
 
@@ -90,12 +92,11 @@ def _project(x_ref, rows, w_refs_cols, bd, precision, norm=None):
             weight_ref, inverse = norm
             xs = ((xs.astype(jnp.float32) * inverse[:, None]).astype(dtype)
                   * weight_ref[pl.ds(d0, bd)].astype(dtype)[None, :])
-        return tuple(acc + pltriton.dot(xs, w_ref[cols, pl.ds(d0, bd)].astype(dtype),
+        return tuple(acc + pltriton.dot(xs, w_ref[pl.ds(c0, bn), pl.ds(d0, bd)].astype(dtype),
                                         trans_b=True, precision=precision)
-                     for acc, (w_ref, cols) in zip(accs, w_refs_cols))
+                     for acc, (w_ref, c0, bn) in zip(accs, w_slices))
 
-    zeros = tuple(jnp.zeros((BLOCK_R, cols.shape[0]), jnp.float32)
-                  for _, cols in w_refs_cols)
+    zeros = tuple(jnp.zeros((BLOCK_R, bn), jnp.float32) for _, _, bn in w_slices)
     return lax.fori_loop(0, d // bd, chunk, zeros)
 
 
@@ -110,9 +111,10 @@ def _qkv_kernel(x_ref, norm_ref, wq_ref, wk_ref, wv_ref, cos_ref, sin_ref, qn_re
     lanes = jnp.arange(half, dtype=jnp.int32)
 
     def head(w_ref, out_ref, index, head_norm_ref, rotate):
-        lo = index * 2 * half + lanes
-        y1, y2 = _project(x_ref, rows, ((w_ref, lo), (w_ref, lo + half)), bd, precision,
-                          norm=(norm_ref, inverse))
+        c0 = pl.multiple_of(index * 2 * half, 2 * half)
+        lo = c0 + lanes
+        y1, y2 = _project(x_ref, rows, ((w_ref, c0, half), (w_ref, c0 + half, half)), bd,
+                          precision, norm=(norm_ref, inverse))
         y1, y2 = y1.astype(dtype), y2.astype(dtype)                    # the projection's
         if head_norm_ref is not None:
             a, b = y1.astype(jnp.float32), y2.astype(jnp.float32)
@@ -158,7 +160,7 @@ def norm_qkv_rope_gpu(x, norm_weight, wq, wk, wv, cos, sin, *, eps, q_norm=None,
         in_specs=[pl.no_block_spec] * len(args),
         out_specs=[pl.no_block_spec] * 3,
         out_shape=[jax.ShapeDtypeStruct((r, w.shape[0]), x.dtype) for w in (wq, wk, wv)],
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
         interpret=interpret,
         name="norm_qkv_rope",
     )(*args)
@@ -176,8 +178,9 @@ def _swiglu_kernel(x_ref, norm_ref, wg_ref, wu_ref, out_ref, *, eps, bn, bd, pre
     dtype = x_ref.dtype
     rows, store_rows, real = _rows(x_ref.shape[0])
     inverse = _inverse_rms(x_ref, rows, eps, bd)
-    cols = pl.program_id(1) * bn + jnp.arange(bn, dtype=jnp.int32)
-    gate, up = _project(x_ref, rows, ((wg_ref, cols), (wu_ref, cols)), bd, precision,
+    c0 = pl.multiple_of(pl.program_id(1) * bn, bn)
+    cols = c0 + jnp.arange(bn, dtype=jnp.int32)
+    gate, up = _project(x_ref, rows, ((wg_ref, c0, bn), (wu_ref, c0, bn)), bd, precision,
                         norm=(norm_ref, inverse))
     gate, up = gate.astype(dtype), up.astype(dtype)
     # jax.nn.silu's roundings: sigmoid, then the product with its input, then with up
@@ -198,7 +201,7 @@ def norm_swiglu_gpu(x, norm_weight, w_gate, w_up, *, eps, interpret=False):
         in_specs=[pl.no_block_spec] * 4,
         out_specs=pl.no_block_spec,
         out_shape=jax.ShapeDtypeStruct((r, f), x.dtype),
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
         interpret=interpret,
         name="norm_swiglu",
     )(x, norm_weight, w_gate, w_up)
@@ -206,9 +209,10 @@ def norm_swiglu_gpu(x, norm_weight, w_gate, w_up, *, eps, interpret=False):
 
 def _residual_kernel(a_ref, w_ref, res_ref, out_ref, *, bn, bd, precision):
     rows, store_rows, real = _rows(a_ref.shape[0])
-    cols = pl.program_id(1) * bn + jnp.arange(bn, dtype=jnp.int32)
-    (y,) = _project(a_ref, rows, ((w_ref, cols),), bd, precision)
-    res = res_ref[rows[:, None], cols[None, :]]
+    c0 = pl.multiple_of(pl.program_id(1) * bn, bn)
+    cols = c0 + jnp.arange(bn, dtype=jnp.int32)
+    (y,) = _project(a_ref, rows, ((w_ref, c0, bn),), bd, precision)
+    res = res_ref[rows, pl.ds(c0, bn)]
     _store(out_ref, store_rows, cols, res + y.astype(a_ref.dtype).astype(res.dtype), real)
 
 
@@ -224,7 +228,7 @@ def matmul_residual_gpu(a, weight, residual, *, interpret=False):
         in_specs=[pl.no_block_spec] * 3,
         out_specs=pl.no_block_spec,
         out_shape=jax.ShapeDtypeStruct((r, o), residual.dtype),
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
         interpret=interpret,
         name="matmul_residual",
     )(a, weight, residual)
