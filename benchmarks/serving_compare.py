@@ -11,7 +11,9 @@ and stopped before the next starts, so no server compiles or serves beside anoth
 `--server NAME=ARGS`: a name and its `dspine serve` arguments (the first is the baseline of
 the x column); arguments after `--` go to every server. `--sweep C[,C...]:N`: concurrency
 levels swept with N prompts (concurrency 1 needs fewer prompts than 64 to take as long).
-Writes OUT/NAME/run-R-S/results.json for every run, OUT/NAME/health.json (the server's
+Writes OUT/NAME/run-R-S/results.json for every run, with the server's /health and
+/metrics at its end (health.json: adaptive speculation's costs and acceptance so far;
+metrics.txt: the verify widths chosen so far), OUT/NAME/health.json (the server's
 /health after its runs: its runtime, and adaptive speculation's costs) and
 OUT/summary.json (`serving_summary`: per level, the median over the runs).
 """
@@ -98,9 +100,13 @@ def run_server(name, serve_args, sweeps, args, log=print) -> None:
         log(f"{name}: ready after {wait_ready(proc, url, args.ready_timeout):.1f}s")
         for r in range(1, args.repeats + 1):
             for s, (levels, n) in enumerate(sweeps, 1):
+                run = folder / f"run-{r}-{s}"
                 bench_serve(url, prompts=args.prompts, num_prompts=n, concurrency=levels,
                             max_tokens=args.max_tokens, temperature=args.temperature,
-                            out=folder / f"run-{r}-{s}", log=lambda *_: None)
+                            out=run, log=lambda *_: None)
+                # what the server learned and chose by the end of this run (adaptive
+                # speculation's costs and acceptance; its verify-width histogram)
+                snapshot(url, run)
         health = httpx.get(url + "/health", timeout=10, trust_env=False).json()
         (folder / "health.json").write_text(json.dumps(health, indent=1))
     finally:
@@ -109,6 +115,16 @@ def run_server(name, serve_args, sweeps, args, log=print) -> None:
             proc.communicate(timeout=120)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def snapshot(url: str, folder: Path) -> None:
+    """The server's /health and /metrics into folder (health.json, metrics.txt)."""
+    import httpx
+
+    health = httpx.get(url + "/health", timeout=10, trust_env=False).json()
+    (folder / "health.json").write_text(json.dumps(health, indent=1))
+    metrics = httpx.get(url + "/metrics", timeout=10, trust_env=False)
+    (folder / "metrics.txt").write_text(metrics.text)
 
 
 def main(argv=None):

@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -917,7 +918,6 @@ def test_serve_startup_benchmark(tiny_llama_dir, tmp_path):
     """benchmarks/serve_startup.py: two starts on one compilation cache, each answering
     503 "starting" before its 200, and serving a completion; the restart reads every
     program from the program store."""
-    import re
 
     from dspine_benchmarks import serve_startup
 
@@ -966,3 +966,9 @@ def test_serving_compare_benchmark(tiny_llama_dir, tmp_path):
         assert summary[name]["2"]["completed"] == 8
     assert json.loads((out / "ar-again" / "health.json").read_text())["max_slots"] == 1
     assert summary["ar"]["1"]["x_first"] == 1.0
+    # each run's end: the server's /health and /metrics (the requests of the runs before
+    # it counted: 2 + 4 + 2)
+    run = out / "ar" / "run-2-1"
+    assert json.loads((run / "health.json").read_text())["status"] == "ok"
+    assert re.search(r"^dspine_time_to_first_token_seconds_count\S* 8\.0$",
+                     (run / "metrics.txt").read_text(), re.M)
