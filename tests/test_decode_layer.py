@@ -105,6 +105,30 @@ def test_ops_match_float64(implementation, rows):
     np.testing.assert_allclose(_f64(got), np_residual(i), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tiles", [dict(block_d=128, block_n=16, num_stages=2),
+                                   dict(block_d=32, block_n=16, num_warps=2)],
+                         ids=["wide-masked-chunks", "narrow-chunks"])
+def test_tile_choices_compute_the_same(tiles):
+    """The GPU kernels' tile options (interpret mode): input chunks wider than D = 96
+    (masked past it) or narrower, against float64."""
+    from pallas_kernels.decode_layer import gpu
+
+    i = _inputs(5)
+    qkv_tiles = {k: v for k, v in tiles.items() if k != "block_n"}
+    got = gpu.norm_qkv_rope_gpu(i["x"], i["norm"], i["wq"], i["wk"], i["wv"], i["cos"],
+                                i["sin"], eps=EPS, q_norm=i["q_norm"], k_norm=i["k_norm"],
+                                interpret=True, **qkv_tiles)
+    for g, w in zip(got, np_qkv(i, True)):
+        np.testing.assert_allclose(_f64(g), w, rtol=1e-5, atol=1e-5)
+    got = gpu.norm_swiglu_gpu(i["x"], i["norm"], i["wg"], i["wu"], eps=EPS, interpret=True,
+                              **tiles)
+    np.testing.assert_allclose(_f64(got), np_swiglu(i), rtol=1e-5, atol=1e-5)
+    got = gpu.matmul_residual_gpu(i["a"], i["wd"], i["x"], interpret=True, **tiles)
+    np.testing.assert_allclose(_f64(got), np_residual(i), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="block_n must be a power of two"):
+        gpu.matmul_residual_gpu(i["a"], i["wd"], i["x"], interpret=True, block_n=24)
+
+
 def _steps_apart(got, want, dtype=jnp.bfloat16):
     """|got - want| in units of the dtype's spacing at each row's largest |want| (a sum
     near zero, e.g. a RoPE difference, keeps the rounding error of its terms)."""

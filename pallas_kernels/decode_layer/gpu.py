@@ -41,15 +41,43 @@ NUM_WARPS = 4
 NUM_STAGES = 3                  # weight chunks in flight: a program's loop is latency-bound
 
 
-def block_d(d: int) -> int:
+def default_block_d(d: int) -> int:
     """The input chunk: the widest of 64/32/16 dividing D."""
     return next(b for b in (64, 32, 16) if d % b == 0)
 
 
-def block_n(o: int) -> int:
+def default_block_n(o: int) -> int:
     """Output columns per program: 32 where it divides O (twice the programs of 64, so a
     576-wide output still spreads its weights over 18 multiprocessors), else 16 or 64."""
     return next(b for b in (32, 16, 64) if o % b == 0)
+
+
+def _check_tiles(op: str, out: int, bn: int) -> None:
+    if bn < 16 or bn & (bn - 1) or out % bn:
+        raise ValueError(f"{op}: block_n must be a power of two >= 16 dividing the output "
+                         f"width {out}, got {bn}")
+
+
+def _chunk(ref, rows, d0, bd):
+    """ref[rows, d0 : d0 + BD] of a [*, D] ref: a block load where BD divides D, else a
+    masked load whose columns past D read as zeros (so they add nothing to a dot or a sum
+    of squares). rows: [n] row indices."""
+    d = ref.shape[-1]
+    if d % bd == 0:
+        return ref[rows, pl.ds(pl.multiple_of(d0, bd), bd)]
+    cols = d0 + jnp.arange(bd, dtype=jnp.int32)
+    inside = jnp.broadcast_to(cols[None, :] < d, (rows.shape[0], bd))
+    return pltriton.load(ref.at[rows[:, None], jnp.minimum(cols, d - 1)[None, :]],
+                         mask=inside, other=0)
+
+
+def _vector_chunk(ref, d0, bd):
+    """ref[d0 : d0 + BD] of a [D] ref, zeros past D."""
+    d = ref.shape[0]
+    if d % bd == 0:
+        return ref[pl.ds(pl.multiple_of(d0, bd), bd)]
+    cols = d0 + jnp.arange(bd, dtype=jnp.int32)
+    return pltriton.load(ref.at[jnp.minimum(cols, d - 1)], mask=cols < d, other=0)
 
 
 def _rows(r: int):
@@ -71,33 +99,36 @@ def _inverse_rms(x_ref, rows, eps, bd):
     d = x_ref.shape[1]
 
     def chunk(j, total):
-        xs = x_ref[rows, pl.ds(pl.multiple_of(j * bd, bd), bd)].astype(jnp.float32)
+        xs = _chunk(x_ref, rows, j * bd, bd).astype(jnp.float32)
         return total + jnp.sum(xs * xs, axis=1)
 
-    total = lax.fori_loop(0, d // bd, chunk, jnp.zeros((BLOCK_R,), jnp.float32))
+    total = lax.fori_loop(0, pl.cdiv(d, bd), chunk, jnp.zeros((BLOCK_R,), jnp.float32))
     return lax.rsqrt(total / d + eps)
 
 
 def _project(x_ref, rows, w_slices, bd, precision, norm=None):
     """The [BR, BN] float32 products of the rows of x [R, D] (rms-normed first when
     norm = (weight_ref, inverse_rms [BR])) with each (weight ref [O, D], first output
-    column, BN): one pass over D in BD-wide chunks, every weight slice read once."""
+    column, BN): one pass over D in BD-wide chunks (the last one masked where BD does not
+    divide D), every weight slice read once."""
     d = x_ref.shape[1]
     dtype = x_ref.dtype
 
     def chunk(j, accs):
-        d0 = pl.multiple_of(j * bd, bd)
-        xs = x_ref[rows, pl.ds(d0, bd)]                                # [BR, BD]
+        d0 = j * bd
+        xs = _chunk(x_ref, rows, d0, bd)                               # [BR, BD]
         if norm is not None:
             weight_ref, inverse = norm
             xs = ((xs.astype(jnp.float32) * inverse[:, None]).astype(dtype)
-                  * weight_ref[pl.ds(d0, bd)].astype(dtype)[None, :])
-        return tuple(acc + pltriton.dot(xs, w_ref[pl.ds(c0, bn), pl.ds(d0, bd)].astype(dtype),
-                                        trans_b=True, precision=precision)
-                     for acc, (w_ref, c0, bn) in zip(accs, w_slices))
+                  * _vector_chunk(weight_ref, d0, bd).astype(dtype)[None, :])
+        return tuple(
+            acc + pltriton.dot(xs, _chunk(w_ref, c0 + jnp.arange(bn, dtype=jnp.int32), d0,
+                                          bd).astype(dtype),
+                               trans_b=True, precision=precision)
+            for acc, (w_ref, c0, bn) in zip(accs, w_slices))
 
     zeros = tuple(jnp.zeros((BLOCK_R, bn), jnp.float32) for _, _, bn in w_slices)
-    return lax.fori_loop(0, d // bd, chunk, zeros)
+    return lax.fori_loop(0, pl.cdiv(d, bd), chunk, zeros)
 
 
 def _qkv_kernel(x_ref, norm_ref, wq_ref, wk_ref, wv_ref, cos_ref, sin_ref, qn_ref, kn_ref,
@@ -143,14 +174,16 @@ def _qkv_kernel(x_ref, norm_ref, wq_ref, wk_ref, wv_ref, cos_ref, sin_ref, qn_re
 
 
 def norm_qkv_rope_gpu(x, norm_weight, wq, wk, wv, cos, sin, *, eps, q_norm=None,
-                      k_norm=None, interpret=False):
+                      k_norm=None, interpret=False, block_d=None, num_warps=None,
+                      num_stages=None):
     r, d = x.shape
     half = cos.shape[1]
     heads, kv_heads = wq.shape[0] // (2 * half), wk.shape[0] // (2 * half)
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     with_head_norm = q_norm is not None
     kernel = functools.partial(_qkv_kernel, eps=eps, heads=heads, kv_heads=kv_heads,
-                               half=half, bd=block_d(d), precision=precision)
+                               half=half, bd=block_d or default_block_d(d),
+                               precision=precision)
     if not with_head_norm:
         kernel = _without_head_norms(kernel)
     args = (x, norm_weight, wq, wk, wv, cos, sin) + ((q_norm, k_norm) if with_head_norm else ())
@@ -160,7 +193,8 @@ def norm_qkv_rope_gpu(x, norm_weight, wq, wk, wv, cos, sin, *, eps, q_norm=None,
         in_specs=[pl.no_block_spec] * len(args),
         out_specs=[pl.no_block_spec] * 3,
         out_shape=[jax.ShapeDtypeStruct((r, w.shape[0]), x.dtype) for w in (wq, wk, wv)],
-        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps or NUM_WARPS,
+                                                num_stages=num_stages or NUM_STAGES),
         interpret=interpret,
         name="norm_qkv_rope",
     )(*args)
@@ -188,20 +222,23 @@ def _swiglu_kernel(x_ref, norm_ref, wg_ref, wu_ref, out_ref, *, eps, bn, bd, pre
     _store(out_ref, store_rows, cols, act.astype(dtype) * up, real)
 
 
-def norm_swiglu_gpu(x, norm_weight, w_gate, w_up, *, eps, interpret=False):
+def norm_swiglu_gpu(x, norm_weight, w_gate, w_up, *, eps, interpret=False, block_d=None,
+                    block_n=None, num_warps=None, num_stages=None):
     r, d = x.shape
     f = w_gate.shape[0]
-    bn = block_n(f)
+    bn = block_n or default_block_n(f)
+    _check_tiles("norm_swiglu", f, bn)
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    kernel = functools.partial(_swiglu_kernel, eps=eps, bn=bn, bd=block_d(d),
-                               precision=precision)
+    kernel = functools.partial(_swiglu_kernel, eps=eps, bn=bn,
+                               bd=block_d or default_block_d(d), precision=precision)
     return pl.pallas_call(
         kernel,
         grid=(pl.cdiv(r, BLOCK_R), f // bn),
         in_specs=[pl.no_block_spec] * 4,
         out_specs=pl.no_block_spec,
         out_shape=jax.ShapeDtypeStruct((r, f), x.dtype),
-        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps or NUM_WARPS,
+                                                num_stages=num_stages or NUM_STAGES),
         interpret=interpret,
         name="norm_swiglu",
     )(x, norm_weight, w_gate, w_up)
@@ -216,19 +253,23 @@ def _residual_kernel(a_ref, w_ref, res_ref, out_ref, *, bn, bd, precision):
     _store(out_ref, store_rows, cols, res + y.astype(a_ref.dtype).astype(res.dtype), real)
 
 
-def matmul_residual_gpu(a, weight, residual, *, interpret=False):
+def matmul_residual_gpu(a, weight, residual, *, interpret=False, block_d=None, block_n=None,
+                        num_warps=None, num_stages=None):
     r, i = a.shape
     o = weight.shape[0]
-    bn = block_n(o)
+    bn = block_n or default_block_n(o)
+    _check_tiles("matmul_residual", o, bn)
     precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    kernel = functools.partial(_residual_kernel, bn=bn, bd=block_d(i), precision=precision)
+    kernel = functools.partial(_residual_kernel, bn=bn, bd=block_d or default_block_d(i),
+                               precision=precision)
     return pl.pallas_call(
         kernel,
         grid=(pl.cdiv(r, BLOCK_R), o // bn),
         in_specs=[pl.no_block_spec] * 3,
         out_specs=pl.no_block_spec,
         out_shape=jax.ShapeDtypeStruct((r, o), residual.dtype),
-        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps or NUM_WARPS,
+                                                num_stages=num_stages or NUM_STAGES),
         interpret=interpret,
         name="matmul_residual",
     )(a, weight, residual)
