@@ -264,3 +264,17 @@ def test_gpu_kernels_compile_and_match(rows):
                   matmul_residual(i["a"], i["wd"], i["x"], implementation="xla")))
     for got, want in pairs:
         assert np.max(_steps_apart(got, want)) <= 2
+
+
+def test_kernel_benchmark_runs_each_tile_choice(tmp_path):
+    """benchmarks/decode_layer_kernels.py (interpret mode, one SmolLM2-shaped layer): a row
+    per tile choice beside XLA's, whose output it matches."""
+    from dspine_benchmarks import decode_layer_kernels
+
+    out = tmp_path / "rows.jsonl"
+    rows = decode_layer_kernels.main(["--rows", "1", "--layers", "1", "--repeats", "1",
+                                      "--tiles", "128,16,4,2", "--dtype", "float32",
+                                      "--interpret", "--out", str(out)])
+    assert [r["tiles"] for r in rows] == ["xla", "128,16,4,2"]
+    assert rows[1]["max_abs_diff"] < 1e-4 and rows[0]["x_xla"] == 1.0
+    assert len(out.read_text().splitlines()) == 2
