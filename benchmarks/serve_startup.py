@@ -77,7 +77,9 @@ def start(serve_args: list[str], cache: str, port: int, timeout: float) -> dict:
             "first_completion_seconds": round(first_completion, 2),
             "all_compiled_seconds": round(everything, 2),
             "log": [line for line in out.splitlines()
-                    if line.startswith(("serving", "ready", "compiled every"))]}
+                    if line.startswith(("serving", "ready", "compiled every"))],
+            # a request that never answered: what the server said last
+            **({"log_tail": out.splitlines()[-40:]} if done != 200 else {})}
 
 
 def main(argv=None) -> dict:
