@@ -23,6 +23,12 @@ TPU kernels not yet on a TPU.
   logits one vocabulary chunk at a time); the drafters' training loss uses it. Mosaic TPU
   and Hopper GPU (Pallas Triton lowering) forward kernels beside vocabulary chunks in
   plain JAX.
+* `decode_layer` (folder `decode_layer/`): a pre-norm SwiGLU decoder layer's element-wise
+  work folded into its matmuls for the few rows of a decode step (RMSNorm + q/k/v + RoPE,
+  a matmul with its residual add, RMSNorm + gate/up + SiLU); Hopper GPU kernels (Pallas
+  Triton lowering) beside the plain-JAX reference. The target runs them with
+  `layer_kernels="fused"`; today they are slower than XLA's fusions (docs/benchmarks.md,
+  "Fused decode layers"), so XLA's layers stay the default.
 * `top_k` (module `top_k.py`): lax.top_k over long rows, exactly; on a GPU grouped (k >= 2)
   or split into chunks when the rows are too few to fill it (XLA's TopK runs one thread
   block per row); the "xla" path of `vocab_top_k` and the engine's argmax and candidate
