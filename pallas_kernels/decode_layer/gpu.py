@@ -61,10 +61,12 @@ def _check_tiles(op: str, out: int, bn: int) -> None:
 def _chunk(ref, rows, d0, bd):
     """ref[rows, d0 : d0 + BD] of a [*, D] ref: a block load where BD divides D, else a
     masked load whose columns past D read as zeros (so they add nothing to a dot or a sum
-    of squares). rows: [n] row indices."""
+    of squares). rows: [n] row indices, or a contiguous `pl.ds` of them."""
     d = ref.shape[-1]
     if d % bd == 0:
         return ref[rows, pl.ds(pl.multiple_of(d0, bd), bd)]
+    if not isinstance(rows, jax.Array):         # a pl.ds: its row indices
+        rows = rows.start + jnp.arange(rows.size, dtype=jnp.int32)
     cols = d0 + jnp.arange(bd, dtype=jnp.int32)
     inside = jnp.broadcast_to(cols[None, :] < d, (rows.shape[0], bd))
     return pltriton.load(ref.at[rows[:, None], jnp.minimum(cols, d - 1)[None, :]],
@@ -122,8 +124,7 @@ def _project(x_ref, rows, w_slices, bd, precision, norm=None):
             xs = ((xs.astype(jnp.float32) * inverse[:, None]).astype(dtype)
                   * _vector_chunk(weight_ref, d0, bd).astype(dtype)[None, :])
         return tuple(
-            acc + pltriton.dot(xs, _chunk(w_ref, c0 + jnp.arange(bn, dtype=jnp.int32), d0,
-                                          bd).astype(dtype),
+            acc + pltriton.dot(xs, _chunk(w_ref, pl.ds(c0, bn), d0, bd).astype(dtype),
                                trans_b=True, precision=precision)
             for acc, (w_ref, c0, bn) in zip(accs, w_slices))
 
