@@ -107,9 +107,9 @@ class DecoderLayer(nnx.Module):
         with jax.named_scope("mlp"):
             return x + self.mlp(h), pages
 
-    def fused(self, x, metadata, attention, pages, kernels: FusedLayers, rope_rows):
+    def fused(self, x, metadata, attention, pages, kernels: FusedLayers, rotation):
         """The same layer through `kernels`' four ops (`dspine_jax.fused_layers`);
-        rope_rows: the (cos, sin) [B * T, H/2] of metadata.positions."""
+        rotation: the (cos, sin) [B * T, H/2] of metadata.positions (`rope_rows`)."""
         norm_qkv_rope, matmul_residual, norm_swiglu = kernels.ops()
         a, mlp, c = self.self_attn, self.mlp, self.self_attn.config
         b, t, d = x.shape
@@ -118,7 +118,7 @@ class DecoderLayer(nnx.Module):
         with jax.named_scope("qkv"):
             q, k, v = norm_qkv_rope(rows, self.input_layernorm.weight[...],
                                     a.q_proj.weight[...], a.k_proj.weight[...],
-                                    a.v_proj.weight[...], *rope_rows, *head_norms,
+                                    a.v_proj.weight[...], *rotation, *head_norms,
                                     eps=c.rms_norm_eps)
         heads = lambda y: y.reshape(b, t, -1, c.head_dim)  # noqa: E731
         with jax.named_scope("attention"):
@@ -198,12 +198,12 @@ class TargetModel(nnx.Module):
             x = self.embed_tokens(tokens)
         fused = layer_kernels is not None and layer_kernels.applies(b * t, metadata.is_paged)
         if fused:
-            table = rope_rows(self.config, metadata.positions)
+            rotation = rope_rows(self.config, metadata.positions)
         picked, k_pages, v_pages = [], [], []
         for i, layer in enumerate(self.layers):
             pages = None if cache is None else (cache.k_pages[i], cache.v_pages[i])
             if fused:
-                x, pages = layer.fused(x, metadata, attention, pages, layer_kernels, table)
+                x, pages = layer.fused(x, metadata, attention, pages, layer_kernels, rotation)
             else:
                 x, pages = layer(x, metadata, attention, pages)
             if cache is not None:
