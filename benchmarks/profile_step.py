@@ -41,6 +41,9 @@ def parse_args(argv=None):
     add_step_args(p, sweep=False, methods=("ar", "dspine"))
     p.add_argument("--top", type=int, default=15, help="operations listed per method")
     p.add_argument("--trace-dir", default=None, help="keep the traces here (default: temp)")
+    p.add_argument("--hlo-out", default=None,
+                   help="write each method's optimised decode HLO here (METHOD.hlo.txt.gz), "
+                        "to read its kernels' instructions later")
     p.add_argument("--out", default=None, help="write the summary as JSON")
     return p.parse_args(argv)
 
@@ -107,6 +110,10 @@ def profile(method: str, model, config, args, trace_dir: Path, peaks: dict) -> d
         trace = json.load(f)
     # the decode programs XLA compiled, as optimised HLO: op names, bytes and FLOPs
     texts = slot_steps.compiled(decoder).hlo_texts("decode")
+    if args.hlo_out:
+        Path(args.hlo_out).mkdir(parents=True, exist_ok=True)
+        with gzip.open(Path(args.hlo_out) / f"{method}.hlo.txt.gz", "wt") as f:
+            f.write("\n\n".join(texts))
     names, costs = {}, {}
     for text in texts:
         names.update(hlo_names.op_names(text))

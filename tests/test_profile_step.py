@@ -43,12 +43,19 @@ def test_the_script_profiles_an_ar_step_and_a_dspine_pass(tiny_llama_dir, tmp_pa
     main(["--target", str(tiny_llama_dir), "--methods", "ar", "dspine", "--prompt-len", "8",
           "--calls", "1", "--steps-per-call", "2", "--draft-layers", "1", "--block-size", "4",
           "--dtype", "f32", "--attention-backend", "xla", "--trace-dir", str(tmp_path / "t"),
-          "--out", str(out)])
+          "--hlo-out", str(tmp_path / "hlo"), "--out", str(out)])
+    import gzip
     import json
 
     results = json.loads(out.read_text())["results"]
     assert [r["method"] for r in results] == ["ar", "dspine"]
     assert all(r["device_us_per_pass"] > 0 and r["top"] for r in results)
+    # the optimised HLO of each method's decode program, with the engine's named scopes
+    for method in ("ar", "dspine"):
+        with gzip.open(tmp_path / "hlo" / f"{method}.hlo.txt.gz", "rt") as f:
+            text = f.read()
+        assert "HloModule" in text and "lm_head" in text
+    assert "draft" in gzip.open(tmp_path / "hlo" / "dspine.hlo.txt.gz", "rt").read()
 
 
 def test_profile_step_and_spec_step_share_their_engine_options():
