@@ -76,10 +76,6 @@ def select_layer_kernels(choice, config: TargetConfig) -> FusedLayers | None:
     return FusedLayers()
 
 
-def layer_kernels_name(kernels: FusedLayers | None) -> str:
-    return "xla" if kernels is None else "fused"
-
-
 def rope_rows(config: TargetConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """cos and sin [B * T, H/2] float32 of positions [B, T]: one table for every layer."""
     cos, sin = rope_table(positions.reshape(-1), *rope_frequencies(config))

@@ -21,7 +21,6 @@ import dataclasses
 import numpy as np
 
 from dspine_jax.errors import InputError
-from dspine_jax.fused_layers import layer_kernels_name
 
 DEFAULT_PREFILL_CHUNK = 512
 
@@ -55,7 +54,7 @@ class RuntimeConfig:
                    speculation=({**speculative.to_json(), "widths": list(decoder.widths)}
                                 if speculative is not None else None),
                    switches=decoder.switches.to_json(),
-                   layer_kernels=layer_kernels_name(decoder.layer_kernels))
+                   layer_kernels="xla" if decoder.layer_kernels is None else "fused")
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
