@@ -67,6 +67,30 @@ def test_acceptance_stats_count_the_slots_a_pass_reached():
     assert s.alpha()[:3] == [1.0, 1.0, 0.0]
 
 
+def test_acceptance_stats_decay_every_count_per_pass():
+    """The running-factor counts equal the plain definition (every count times `decay`
+    on each pass, then +1 on the slots the pass touched) over 20,000 random passes, long
+    enough to rescale the factor."""
+    rng = np.random.default_rng(7)
+    s = AcceptanceStats(15, decay=0.98, prior=list(rng.random(15)), prior_weight=2.0)
+    reached, kept = np.zeros(15), np.zeros(15)
+    for _ in range(20_000):
+        width = int(rng.choice([0, 1, 3, 7, 15]))
+        accepted = int(rng.integers(0, width + 1))
+        s.observe(width, accepted)
+        if width:
+            reached *= 0.98
+            kept *= 0.98
+            reached[:min(accepted + 1, width)] += 1
+            kept[:accepted] += 1
+    np.testing.assert_allclose(s.reached, reached, rtol=1e-9)
+    np.testing.assert_allclose(s.kept, kept, rtol=1e-9)
+    want = (kept + 2.0 * np.asarray(s.prior)) / (reached + 2.0)
+    np.testing.assert_allclose(s.alpha(), want, rtol=1e-9)
+    s.set_prior([0.0] * 15)                 # a new prior is seen at once (no stale cache)
+    np.testing.assert_allclose(s.alpha(), kept / (reached + 2.0), rtol=1e-9)
+
+
 def test_draft_cannot_pay_picks_a_plain_step():
     # a CPU: every verified token costs compute and the draft costs 3 plain steps
     costs = {0: 1.0, 1: 3.2, 3: 3.6, 7: 4.4, 15: 6.0}

@@ -119,31 +119,57 @@ def slot_acceptance(kept: list[int], slots: int) -> list[float]:
 class AcceptanceStats:
     """Decayed counts per drafted slot i (1-based): passes that verified slot i with every
     earlier slot accepted ("reached"), and those that kept it. alpha_i = kept / reached,
-    pulled towards `prior` (weight `prior_weight` passes) while few passes are seen."""
+    pulled towards `prior` (weight `prior_weight` passes) while few passes are seen.
+
+    The engine observes every pass of every row on its host thread, so a pass costs only
+    the slots it touched: the decay of all counts is one running factor (counts are kept
+    in units of it and rescaled once it grows large), and alpha is cached until the next
+    observation."""
 
     def __init__(self, slots: int, *, decay: float = 0.98, prior: list[float] | None = None,
                  prior_weight: float = 2.0):
         self.slots, self.decay, self.prior_weight = slots, decay, prior_weight
         self.prior = list(prior) if prior is not None else [0.5] * slots
-        self.reached = [0.0] * slots
-        self.kept = [0.0] * slots
+        # the counts are _reached[i] * _unit (likewise kept); a pass multiplies _unit by
+        # `decay` (every count decays) and adds 1 / _unit to the slots it touched
+        self._reached = [0.0] * slots
+        self._kept = [0.0] * slots
+        self._unit = 1.0
+        self._alpha = None
+
+    @property
+    def reached(self) -> list[float]:
+        return [r * self._unit for r in self._reached]
+
+    @property
+    def kept(self) -> list[float]:
+        return [k * self._unit for k in self._kept]
 
     def observe(self, width: int, accepted: int) -> None:
         """One pass that verified `width` drafts and kept the first `accepted`."""
         if width == 0:
             return
-        for i in range(self.slots):
-            self.reached[i] *= self.decay
-            self.kept[i] *= self.decay
-        for i in range(min(accepted + 1, width)):     # slots 1 .. accepted + 1 were tried
-            self.reached[i] += 1.0
-        for i in range(min(accepted, width)):
-            self.kept[i] += 1.0
+        self._unit *= self.decay
+        if self._unit < 1e-100:        # rescale before 1 / unit overflows
+            self._reached, self._kept = self.reached, self.kept
+            self._unit = 1.0
+        one = 1.0 / self._unit
+        for i in range(min(accepted + 1, width, self.slots)):  # slots 1 .. accepted + 1 tried
+            self._reached[i] += one
+        for i in range(min(accepted, width, self.slots)):
+            self._kept[i] += one
+        self._alpha = None
 
     def alpha(self) -> list[float]:
-        w = self.prior_weight
-        return [(k + w * p) / (r + w) if r + w > 0 else p
-                for k, r, p in zip(self.kept, self.reached, self.prior)]
+        if self._alpha is None:
+            w, unit = self.prior_weight, self._unit
+            self._alpha = [(k * unit + w * p) / (r * unit + w) if r * unit + w > 0 else p
+                           for k, r, p in zip(self._kept, self._reached, self.prior)]
+        return self._alpha
+
+    def set_prior(self, prior: list[float]) -> None:
+        self.prior = list(prior)
+        self._alpha = None
 
     def expected_tokens(self, width: int) -> float:
         return expected_tokens(self.alpha(), width)
@@ -338,7 +364,7 @@ class SpeculationPolicy:
             if width in self.widths:
                 self.costs.set(rows, width, seconds)
                 self.loaded.add((rows, width))
-        self.pool.prior = alpha
+        self.pool.set_prior(alpha)
         return True
 
     def _ran(self, rows: int, width: int, call: int) -> int:
