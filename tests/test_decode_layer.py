@@ -88,6 +88,13 @@ def _qkv(i, head_norms, **kw):
                          *norms, eps=EPS, **kw)
 
 
+def _all_outputs(i, **kw) -> list:
+    """q, k, v (with head norms), the SwiGLU and the residual matmul of inputs i."""
+    return [*_qkv(i, True, **kw),
+            norm_swiglu(i["x"], i["norm"], i["wg"], i["wu"], eps=EPS, **kw),
+            matmul_residual(i["a"], i["wd"], i["x"], **kw)]
+
+
 ROWS = [1, 5, 16, 19]      # one row, a few, one full tile, past one tile
 
 
@@ -141,13 +148,7 @@ def test_bf16_kernels_round_like_the_reference(rows):
     """bf16 activations and weights: each output within 2 bf16 steps (at its row's
     scale) of the reference's: float32 sums in another order may round the other way."""
     i = _inputs(rows, dtype="bfloat16")
-    pairs = list(zip(_qkv(i, True, **INTERPRET), _qkv(i, True, implementation="xla")))
-    pairs.append((norm_swiglu(i["x"], i["norm"], i["wg"], i["wu"], eps=EPS, **INTERPRET),
-                  norm_swiglu(i["x"], i["norm"], i["wg"], i["wu"], eps=EPS,
-                              implementation="xla")))
-    pairs.append((matmul_residual(i["a"], i["wd"], i["x"], **INTERPRET),
-                  matmul_residual(i["a"], i["wd"], i["x"], implementation="xla")))
-    for got, want in pairs:
+    for got, want in zip(_all_outputs(i, **INTERPRET), _all_outputs(i, implementation="xla")):
         assert got.dtype == jnp.bfloat16
         assert np.max(_steps_apart(got, want)) <= 2
 
@@ -255,14 +256,8 @@ def test_layer_kernel_choice_is_checked():
 @pytest.mark.parametrize("rows", [1, 8, 16])
 def test_gpu_kernels_compile_and_match(rows):
     i = _inputs(rows, d=576, heads=9, kv_heads=3, head_dim=64, f=1536, dtype="bfloat16")
-    kw = {"implementation": "pallas_gpu"}
-    pairs = list(zip(_qkv(i, True, **kw), _qkv(i, True, implementation="xla")))
-    pairs.append((norm_swiglu(i["x"], i["norm"], i["wg"], i["wu"], eps=EPS, **kw),
-                  norm_swiglu(i["x"], i["norm"], i["wg"], i["wu"], eps=EPS,
-                              implementation="xla")))
-    pairs.append((matmul_residual(i["a"], i["wd"], i["x"], **kw),
-                  matmul_residual(i["a"], i["wd"], i["x"], implementation="xla")))
-    for got, want in pairs:
+    for got, want in zip(_all_outputs(i, implementation="pallas_gpu"),
+                         _all_outputs(i, implementation="xla")):
         assert np.max(_steps_apart(got, want)) <= 2
 
 

@@ -180,24 +180,38 @@ def norm_qkv_rope_gpu(x, norm_weight, wq, wk, wv, cos, sin, *, eps, q_norm=None,
     r, d = x.shape
     half = cos.shape[1]
     heads, kv_heads = wq.shape[0] // (2 * half), wk.shape[0] // (2 * half)
-    precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     with_head_norm = q_norm is not None
     kernel = functools.partial(_qkv_kernel, eps=eps, heads=heads, kv_heads=kv_heads,
                                half=half, bd=block_d or default_block_d(d),
-                               precision=precision)
+                               precision=_precision(x))
     if not with_head_norm:
         kernel = _without_head_norms(kernel)
     args = (x, norm_weight, wq, wk, wv, cos, sin) + ((q_norm, k_norm) if with_head_norm else ())
+    return _call(kernel, "norm_qkv_rope", heads + 2 * kv_heads,
+                 [jax.ShapeDtypeStruct((r, w.shape[0]), x.dtype) for w in (wq, wk, wv)],
+                 args, num_warps, num_stages, interpret)
+
+
+def _precision(x):
+    """Full float32 products for float32 activations (bf16's default otherwise)."""
+    return lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+
+
+def _call(kernel, name: str, programs: int, out_shape, args: tuple, num_warps, num_stages,
+          interpret: bool):
+    """One of the ops' pallas_calls: grid (row tiles of args[0], `programs` output tiles),
+    every operand and output a whole-array ref the kernel indexes itself."""
+    outputs = len(out_shape) if isinstance(out_shape, list) else None
     return pl.pallas_call(
         kernel,
-        grid=(pl.cdiv(r, BLOCK_R), heads + 2 * kv_heads),
+        grid=(pl.cdiv(args[0].shape[0], BLOCK_R), programs),
         in_specs=[pl.no_block_spec] * len(args),
-        out_specs=[pl.no_block_spec] * 3,
-        out_shape=[jax.ShapeDtypeStruct((r, w.shape[0]), x.dtype) for w in (wq, wk, wv)],
+        out_specs=pl.no_block_spec if outputs is None else [pl.no_block_spec] * outputs,
+        out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps or NUM_WARPS,
                                                 num_stages=num_stages or NUM_STAGES),
         interpret=interpret,
-        name="norm_qkv_rope",
+        name=name,
     )(*args)
 
 
@@ -229,20 +243,10 @@ def norm_swiglu_gpu(x, norm_weight, w_gate, w_up, *, eps, interpret=False, block
     f = w_gate.shape[0]
     bn = block_n or default_block_n(f)
     _check_tiles("norm_swiglu", f, bn)
-    precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     kernel = functools.partial(_swiglu_kernel, eps=eps, bn=bn,
-                               bd=block_d or default_block_d(d), precision=precision)
-    return pl.pallas_call(
-        kernel,
-        grid=(pl.cdiv(r, BLOCK_R), f // bn),
-        in_specs=[pl.no_block_spec] * 4,
-        out_specs=pl.no_block_spec,
-        out_shape=jax.ShapeDtypeStruct((r, f), x.dtype),
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps or NUM_WARPS,
-                                                num_stages=num_stages or NUM_STAGES),
-        interpret=interpret,
-        name="norm_swiglu",
-    )(x, norm_weight, w_gate, w_up)
+                               bd=block_d or default_block_d(d), precision=_precision(x))
+    return _call(kernel, "norm_swiglu", f // bn, jax.ShapeDtypeStruct((r, f), x.dtype),
+                 (x, norm_weight, w_gate, w_up), num_warps, num_stages, interpret)
 
 
 def _residual_kernel(a_ref, w_ref, res_ref, out_ref, *, bn, bd, precision):
@@ -260,17 +264,8 @@ def matmul_residual_gpu(a, weight, residual, *, interpret=False, block_d=None, b
     o = weight.shape[0]
     bn = block_n or default_block_n(o)
     _check_tiles("matmul_residual", o, bn)
-    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
     kernel = functools.partial(_residual_kernel, bn=bn, bd=block_d or default_block_d(i),
-                               precision=precision)
-    return pl.pallas_call(
-        kernel,
-        grid=(pl.cdiv(r, BLOCK_R), o // bn),
-        in_specs=[pl.no_block_spec] * 3,
-        out_specs=pl.no_block_spec,
-        out_shape=jax.ShapeDtypeStruct((r, o), residual.dtype),
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps or NUM_WARPS,
-                                                num_stages=num_stages or NUM_STAGES),
-        interpret=interpret,
-        name="matmul_residual",
-    )(a, weight, residual)
+                               precision=_precision(a))
+    return _call(kernel, "matmul_residual", o // bn,
+                 jax.ShapeDtypeStruct((r, o), residual.dtype), (a, weight, residual),
+                 num_warps, num_stages, interpret)
