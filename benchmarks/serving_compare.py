@@ -85,8 +85,6 @@ def wait_ready(proc, url: str, timeout: float) -> float:
 
 
 def run_server(name, serve_args, sweeps, args, log=print) -> None:
-    import httpx
-
     from dspine_serve.bench import bench_serve
 
     port = free_port()
@@ -106,8 +104,8 @@ def run_server(name, serve_args, sweeps, args, log=print) -> None:
                             out=run, log=lambda *_: None)
                 # what the server learned and chose by the end of this run (adaptive
                 # speculation's costs and acceptance; its verify-width histogram)
-                snapshot(url, run)
-        health = httpx.get(url + "/health", timeout=10, trust_env=False).json()
+                health = snapshot(url, run)
+        # the server after its runs: the last run's snapshot
         (folder / "health.json").write_text(json.dumps(health, indent=1))
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -117,14 +115,16 @@ def run_server(name, serve_args, sweeps, args, log=print) -> None:
             proc.kill()
 
 
-def snapshot(url: str, folder: Path) -> None:
-    """The server's /health and /metrics into folder (health.json, metrics.txt)."""
+def snapshot(url: str, folder: Path) -> dict:
+    """The server's /health and /metrics into folder (health.json, metrics.txt); returns
+    the /health."""
     import httpx
 
     health = httpx.get(url + "/health", timeout=10, trust_env=False).json()
     (folder / "health.json").write_text(json.dumps(health, indent=1))
     metrics = httpx.get(url + "/metrics", timeout=10, trust_env=False)
     (folder / "metrics.txt").write_text(metrics.text)
+    return health
 
 
 def main(argv=None):
