@@ -198,6 +198,8 @@ def bench(prepared, method, b, context, config, dtype, bandwidth, args, proposal
           temperature, width=None) -> dict:
     """Time one cell that `prepare_cell` compiled (a speculative one at verify `width`,
     None: the whole block; another width compiles in the untimed first loop)."""
+    from dspine_jax.runtime.config import RuntimeConfig
+
     decoder, drafter_params, run = prepared
     passes = args.calls * args.steps_per_call
 
@@ -215,7 +217,7 @@ def bench(prepared, method, b, context, config, dtype, bandwidth, args, proposal
     itemsize = np.dtype(dtype).itemsize
     floor_bytes = step_bytes(config, b, context + passes, itemsize) + drafter_params * itemsize
     row = dict(method=method, attention_backend=decoder.attention.name,
-               layer_kernels="xla" if decoder.layer_kernels is None else "fused",
+               layer_kernels=RuntimeConfig.of(decoder).layer_kernels,
                context=context,
                batch=b, steps_per_call=args.steps_per_call, step_ms=step * 1e3,
                floor_ms=floor_bytes / bandwidth * 1e3,

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 
 from dspine_jax.config import TargetConfig
 from dspine_jax.errors import ConfigError
@@ -78,5 +77,4 @@ def select_layer_kernels(choice, config: TargetConfig) -> FusedLayers | None:
 
 def rope_rows(config: TargetConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """cos and sin [B * T, H/2] float32 of positions [B, T]: one table for every layer."""
-    cos, sin = rope_table(positions.reshape(-1), *rope_frequencies(config))
-    return cos.astype(jnp.float32), sin.astype(jnp.float32)
+    return rope_table(positions.reshape(-1), *rope_frequencies(config))
