@@ -129,7 +129,7 @@ def profile(method: str, model, config, args, trace_dir: Path, peaks: dict) -> d
     return {"method": method, "attention_backend": decoder.attention.name,
             "layer_kernels": args.layer_kernels, "batch": args.batch,
             "context": context, "temperature": args.temperature, "passes": passes,
-            "trace": str(path), **summary, "groups": groups}
+            "trace": str(path.relative_to(trace_dir)), **summary, "groups": groups}
 
 
 def main(argv=None):
