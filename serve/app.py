@@ -369,6 +369,7 @@ class _Run:
         self.accept_lengths: list[int] = []
         self.finish_reason: str | None = None
         self.error: APIError | None = None
+        self._frame: list[str] | None = None     # a content chunk's text around its piece
 
     async def events(self) -> AsyncIterator[str]:
         """Text pieces as they become final; sets finish_reason at the end."""
@@ -443,11 +444,22 @@ class _Run:
                 "model": self.h.model_name, "choices": [choice] if choices else []}
         return body
 
+    def _piece_event(self, piece: str) -> bytes:
+        """`event(self._chunk(piece, None))` from the request's fixed text around the
+        piece's JSON string (a sixth of the time: one is sent per row and engine step)."""
+        if self._frame is None:
+            self._frame = event(self._chunk("\0", None)).decode().split('"\\u0000"')
+        if len(self._frame) != 2:         # "\0" in the model name: no fixed frame
+            return event(self._chunk(piece, None))
+        head, tail = self._frame
+        text = json.dumps(piece, ensure_ascii=False).translate(_LINE_BREAKS_JSON_KEEPS)
+        return f"{head}{text}{tail}".encode()
+
     async def sse(self, include_usage: bool) -> AsyncIterator[bytes]:
         if self.chat:
             yield event(self._chunk(None, None, role=True))
         async for piece in self.events():
-            yield event(self._chunk(piece, None))
+            yield self._piece_event(piece)
         if self.error is not None:
             yield event(self.error.body())
             yield b"data: [DONE]\n\n"

@@ -3,7 +3,9 @@
 The thread owns the `EngineCore` (and so every device array): it takes commands (add,
 abort) from a thread-safe queue, runs `step()` while there is work, and hands each
 request's outputs to that request's sink (for the server: an asyncio queue, filled with
-`loop.call_soon_threadsafe`). It blocks on the command queue when idle.
+`loop.call_soon_threadsafe`, once per step for all the requests of one event loop: a
+wake-up per request and step was 64 self-pipe writes per step at 64 streams). It blocks
+on the command queue when idle.
 
 Admission control happens on submit, before anything is queued: at most
 `max_slots + max_queue` requests are in the engine at once; one more is refused
@@ -43,7 +45,7 @@ class Starting(Exception):
     """The engine is still compiling; nothing is served yet."""
 
 
-Sink = Callable[[RequestOutput | BaseException], None]
+Sink = Callable[[RequestOutput | BaseException], None]    # or a _LoopSink
 
 
 class EngineLoop:
@@ -134,8 +136,7 @@ class EngineLoop:
         slot."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
-        self.submit(request_id, prompt_token_ids, options,
-                    lambda item: loop.call_soon_threadsafe(outputs.put_nowait, item))
+        self.submit(request_id, prompt_token_ids, options, _LoopSink(loop, outputs))
         return RequestStream(self, request_id, outputs)
 
     # ----- the engine thread -----------------------------------------------------------
@@ -189,14 +190,25 @@ class EngineLoop:
             self.core.abort(command[1])
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their sinks: those of one event loop in one
+        `call_soon_threadsafe` (one wake-up of the loop per step, not one per request)."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             sink = self._sinks.get(out.request_id)
             if sink is None:
                 continue
-            _deliver(sink, out)
+            if isinstance(sink, _LoopSink):
+                batches.setdefault(sink.loop, []).append((sink.queue, out))
+            else:
+                _deliver(sink, out)
             if out.finished:
                 del self._sinks[out.request_id]
                 self._finish_count()
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:      # the loop has closed: the server is going down
+                pass
 
     def _finish_count(self) -> None:
         with self._lock:
@@ -244,3 +256,18 @@ def _deliver(sink: Sink, item) -> None:
         sink(item)
     except RuntimeError:
         pass
+
+
+class _LoopSink:
+    """A sink that puts each item on an asyncio queue of `loop` (from the engine thread)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
+        self.loop, self.queue = loop, queue
+
+    def __call__(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue_, item in batch:
+        queue_.put_nowait(item)

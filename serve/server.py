@@ -16,6 +16,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
+import sys
 import time
 
 import uvicorn
@@ -26,6 +27,12 @@ from dspine_jax.runtime.engine_core import EngineConfig, EngineCore
 from dspine_serve.engine_loop import EngineLoop
 
 log = logging.getLogger("dspine_serve")
+
+# How long a thread may hold the GIL while another waits for it (Python's default: 5 ms).
+# The engine thread waits for the device with the GIL released; when the device is done
+# it needs the GIL back from the event loop, which at many streams always has work: by
+# default that wait can be as long as a decode call.
+GIL_SWITCH_SECONDS = 0.0005
 
 
 class DrainingServer(uvicorn.Server):
@@ -92,6 +99,7 @@ def run(pipeline, engine_config: EngineConfig, *, model_name: str, sock: socket.
     while /health answers 503 "starting"."""
     t0 = time.perf_counter()
     host, port = sock.getsockname()[:2]
+    sys.setswitchinterval(GIL_SWITCH_SECONDS)     # the process is the server's own
 
     def ready(seconds: float) -> None:
         later = engine.core.compiling

@@ -894,6 +894,24 @@ def test_sse_events_stay_one_line_whatever_the_text():
     assert len(lines) == 1 and json.loads(lines[0].removeprefix("data: "))["text"] == text
 
 
+def test_a_content_chunk_from_its_fixed_frame_equals_the_whole_event():
+    """The streamed content chunk is built from the request's text around its piece: it
+    must be byte for byte the event of the whole chunk, for chat and completions, quotes,
+    escapes and line-break characters included, and for a model name holding the frame's
+    own marker."""
+    import types
+
+    from dspine_serve.app import _Run, event
+
+    pieces = ["hello", ' "quoted" \\ back', "a\u2028b\u2029c\x85d\ne", "\u00e9\u4e2d", "\0", ""]
+    for chat, model in [(True, "m"), (False, "m"), (True, 'odd "name" \0')]:
+        run = object.__new__(_Run)
+        run.h = types.SimpleNamespace(model_name=model)
+        run.chat, run.rid, run.created, run._frame = chat, "cmpl-1", 1700000000, None
+        for piece in pieces:
+            assert run._piece_event(piece) == event(run._chunk(piece, None)), (chat, piece)
+
+
 def test_a_client_gone_before_its_body_is_a_quiet_client_error():
     """A client that disconnects while its body is read gets an APIError (a 4xx, no
     traceback in the log), not an unhandled ClientDisconnect."""

@@ -359,6 +359,34 @@ def test_serving_warmup_teaches_the_policy_nothing():
     assert len(stats["acceptance"]) == 7
 
 
+def test_served_costs_are_device_time_not_the_hosts_delays():
+    """The engine thread reads a call's news whenever its host work allows (64 streams to
+    feed, another thread holding the GIL): here every read comes 0.5 s late. The policy
+    must learn what the device spent on each call, not the time between reads."""
+    from dspine_jax.runtime.engine_core import EngineConfig, EngineCore
+
+    target, drafter = build(kind="dspine", block=8)
+    engine = SpeculativeEngine(target, drafter, eos_token_ids=[0], steps_per_call=2,
+                               speculation=SpeculationConfig("adaptive"))
+    engine.policy.costs = CostTable()
+    core = EngineCore(engine, EngineConfig(max_slots=2, max_model_len=96))
+    core.warmup(modes=("greedy",))
+    core.background_compile.result(300)
+    while core.compiling:
+        time.sleep(0.01)
+    read = core._runner.read
+
+    def late_read(futures):
+        time.sleep(0.5)
+        return read(futures)
+
+    core._runner.read = late_read
+    serve_all(core, PROMPTS[:1], max_tokens=40)
+    samples = [s for v in engine.policy.costs.samples.values() for s in v]
+    # a call is 2 passes: a read 0.5 s late would make each pass cost >= 0.25 s
+    assert len(samples) >= 3 and max(samples) < 0.1, samples
+
+
 def test_a_seeded_sample_is_served_at_one_width():
     from dspine_jax.runtime.engine_core import EngineConfig, EngineCore
 

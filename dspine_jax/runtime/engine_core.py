@@ -83,8 +83,8 @@ class EngineStats:
 @dataclasses.dataclass
 class _Step:
     calls: list[Call]
-    queued_at: float        # when the host began queueing its calls
-    compiles: int           # programs compiled before then (a timed step must see no more)
+    compiles: int           # programs compiled before it was queued (a timed step must
+                            # see no more)
     timed: tuple | None     # (rows, width) of a step whose one call is a decode call
 
 
@@ -118,7 +118,9 @@ class EngineCore:
                               chunk_sizes=s.chunk_sizes, widest=s.widths[-1])
         self._policy = policy
         self._queued: collections.deque[_Step] = collections.deque()  # steps not read yet
-        self._last_read = 0.0        # when the last step's news arrived
+        # timed decode calls whose device time is not observed yet: (rows, width, passes,
+        # the future of the seconds)
+        self._timings: collections.deque[tuple] = collections.deque()
         self._runtime = RuntimeConfig.of(decoder).to_json()
         # after `warmup`: the Future of the background compiles' seconds
         self.background_compile: concurrent.futures.Future | None = None
@@ -227,7 +229,7 @@ class EngineCore:
     def _queue_step(self) -> tuple[list[RequestOutput], bool]:
         """Plan this step and queue its calls on the runner: -> the aborted requests'
         outputs, and whether any call was queued."""
-        queued_at, compiles = time.perf_counter(), self._runner.steps.compiles
+        compiles = self._runner.steps.compiles
         outputs, calls = self.scheduler.schedule()
         if not calls:
             return outputs, False
@@ -238,25 +240,24 @@ class EngineCore:
         if self.scheduler.learning and self._policy is not None and len(calls) == 1 \
                 and calls[0].decode and not self.compiling:
             timed = (len(calls[0].requests), calls[0].width)
-        self._queued.append(_Step(calls, queued_at, compiles, timed))
+        self._queued.append(_Step(calls, compiles, timed))
         return outputs, True
 
     def _collect(self, step: _Step) -> list[RequestOutput]:
         """Read a queued step's news (one device-to-host transfer) and hand them to the
         scheduler; time the step for adaptive speculation."""
         arrays = self._runner.read([call.news for call in step.calls])
-        read_at = time.perf_counter()
-        previous, self._last_read = self._last_read, read_at
         outputs, passes = [], 0
         for call, news in zip(step.calls, arrays):
             gained, ran = self.scheduler.receive(call, news)
             outputs += gained
             passes = max(passes, ran)
         if step.timed is not None and step.compiles == self._runner.steps.compiles:
-            # the device ran this step from when it was queued or the last step ended
-            rows, width = step.timed
-            self._policy.observe_call(rows, width, read_at - max(step.queued_at, previous),
-                                      passes)
+            self._timings.append((*step.timed, passes, step.calls[0].device_seconds))
+        # the device times the timer thread has measured by now (none is waited for)
+        while self._timings and self._timings[0][-1].done():
+            rows, width, passes, seconds = self._timings.popleft()
+            self._policy.observe_call(rows, width, seconds.result(), passes)
         return outputs
 
     def compile_ahead(self, decode_rows: Sequence[int], modes: Sequence[str],

@@ -13,6 +13,12 @@ the host every pass), so the engine plans and reads in its own thread meanwhile 
 call releases the GIL). Only the runner thread touches the device state once serving
 has begun.
 
+A third thread times the device: it waits for each call's news in launch order and
+records how long the device was busy with it (from its launch, or the end of the call
+before it if that was later, to its end). The engine thread reads news whenever its
+host work allows; the time between its reads counts that host work too, and taught
+adaptive speculation costs up to 2.5x the device's.
+
 Shape legend: S slots, R rows of a decode call, G rows of a prefill call, T prefill chunk.
 """
 
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import time
 from typing import Sequence
 
 import jax
@@ -62,6 +69,8 @@ class Runner:
         self._passes = {n: jnp.int32(n) for n in
                         {decoder.steps_per_call, decoder.shared_steps_per_call, 1}}
         self._thread = concurrent.futures.ThreadPoolExecutor(1, "dspine-runner")
+        self._timer = concurrent.futures.ThreadPoolExecutor(1, "dspine-device-timer")
+        self._device_free = 0.0     # when the device finished the last timed call
 
     def sampling_mode(self, rows: np.ndarray) -> str:
         """What a decode call's rows ask of the sampler (part of its key): all greedy (no
@@ -79,8 +88,8 @@ class Runner:
         self.cover(call)
         name, matrix, static = self._program(call)
         inputs = (self._passes[call.passes],) if call.decode else ()
-        return self._thread.submit(self._run, name, self._key(call, static), self._page_table(),
-                                   jnp.asarray(matrix), inputs, static)
+        return self._thread.submit(self._run, call, name, self._key(call, static),
+                                   self._page_table(), jnp.asarray(matrix), inputs, static)
 
     def read(self, futures: Sequence[concurrent.futures.Future]) -> list[np.ndarray]:
         """The news of queued calls, in one device-to-host transfer."""
@@ -158,6 +167,7 @@ class Runner:
         compiles not yet started."""
         self.steps.cancel_background()
         self._thread.shutdown(wait=True)
+        self._timer.shutdown(wait=True)
 
     # ----- inside ----------------------------------------------------------------------
     def _program(self, call: Call) -> tuple[str, np.ndarray, dict]:
@@ -183,9 +193,20 @@ class Runner:
             self._table = version, table = self._pages.version, jnp.array(self._pages.table)
         return table
 
-    def _run(self, name: str, key, page_table, matrix, inputs: tuple,
+    def _run(self, call: Call, name: str, key, page_table, matrix, inputs: tuple,
              static: dict) -> jax.Array:
-        """In the runner thread: one call on the device state."""
+        """In the runner thread: one call on the device state; its device time is
+        measured in the timer thread (`call.device_seconds`)."""
+        launched = time.perf_counter()
         self._state, news = self.steps(name, key, self._params, self._state, page_table,
                                        matrix, *inputs, **static)
+        call.device_seconds = self._timer.submit(self._device_busy, news, launched)
         return news
+
+    def _device_busy(self, news: jax.Array, launched: float) -> float:
+        """In the timer thread, call by call in launch order: seconds from when the device
+        could start the call (its launch, or the previous call's end) to its end."""
+        jax.block_until_ready(news)
+        end = time.perf_counter()
+        busy, self._device_free = end - max(launched, self._device_free), end
+        return busy

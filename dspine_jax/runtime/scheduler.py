@@ -113,7 +113,8 @@ class Call:
     """One planned device call: `rows` its int32 row matrix (`rows.DECODE_FIELDS`, or
     `rows.PREFILL_FIELDS` then the chunk's tokens), `requests` the request whose news
     each row returns (None: padding, or a row whose prompt this chunk does not
-    complete). The engine attaches the future of its news (`news`) once queued."""
+    complete). The runner attaches the future of its news (`news`) once queued, and the
+    future of the seconds the device spent on it (`device_seconds`) once launched."""
     kind: str                       # "prefill" or "decode"
     rows: np.ndarray                # [G, F + T] or [R, F]
     requests: list
@@ -121,6 +122,7 @@ class Call:
     passes: int = 0                 # decode: target passes
     mode: str | None = None         # decode: the sampling mode (None: the rows')
     news: object = None
+    device_seconds: object = None
 
     @property
     def decode(self) -> bool:

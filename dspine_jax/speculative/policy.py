@@ -18,8 +18,8 @@ Both inputs are measured as decoding runs, host-side, with no device work of the
   AcceptanceStats  per row (a request), decayed counts of slots reached and accepted,
                    with the pool of every row seen as the prior of a new one
   CostTable        seconds per pass by (batch, width): the median of each width's latest
-                   calls (wall time), so one slow call moves nothing; a width not yet
-                   run is interpolated in verified tokens
+                   calls (the device's busy time, `runtime.runner`), so one slow call
+                   moves nothing; a width not yet run is interpolated in verified tokens
 The first calls of a batch shape run the widest width, then a plain step, a few calls
 each, to measure both ends; then the policy re-runs the end it has not run lately every
 `probe_every` calls or, where running it gives up much throughput, as seldom as keeps
