@@ -6,12 +6,23 @@ and stopped before the next starts, so no server compiles or serves beside anoth
         --server "ar=--method ar" \\
         --server "dspine-fixed=--drafter smollm2-135m-instruct-dspine --speculation fixed" \\
         --server "dspine=--drafter smollm2-135m-instruct-dspine" \\
-        --sweep 1:16 --sweep 8,32,64:64 --repeats 5 -- --max-slots 64 --max-model-len 2048
+        --sweep 1:16 --sweep 8:64 --sweep 32,64:256 --repeats 5 \\
+        -- --max-slots 64 --max-model-len 2048
 
 `--server NAME=ARGS`: a name and its `dspine serve` arguments (the first is the baseline of
 the x column); arguments after `--` go to every server. `--sweep C[,C...]:N`: concurrency
-levels swept with N prompts (concurrency 1 needs fewer prompts than 64 to take as long).
-Writes OUT/NAME/run-R-S/results.json for every run, with the server's /health and
+levels swept with N prompts. Give each level several times its concurrency in prompts:
+with N = C every request starts at once and the run lasts as long as its slowest request,
+which measures the spread of request latencies more than the server's rate (a
+speculative server's requests differ in length more than AR's).
+
+A server is measured once it is ready and every program it compiles in the background is
+compiled (its /health "compiling" is 0): the rate it serves at from then on. Until then
+calls run on wider programs and the compiling shares the host (`serve_startup` measures
+that start-up).
+
+Writes OUT/NAME/start.json (seconds to ready and to every program compiled, and /health
+as the runs begin), OUT/NAME/run-R-S/results.json for every run, with the server's /health and
 /metrics at its end (health.json: adaptive speculation's costs and acceptance so far;
 metrics.txt: the verify widths chosen so far), OUT/NAME/health.json (the server's
 /health after its runs: its runtime, and adaptive speculation's costs) and
@@ -54,7 +65,7 @@ def parse(argv=None):
     if len({n for n, _ in servers}) != len(servers):
         ap.error("--server names must differ")
     sweeps = []
-    for spec in args.sweep or ["1:16", "8,32,64:64"]:
+    for spec in args.sweep or ["1:16", "8:64", "32,64:256"]:
         levels, sep, n = spec.partition(":")
         try:
             sweeps.append(([int(c) for c in levels.split(",")], int(n)))
@@ -67,24 +78,33 @@ def parse(argv=None):
     return args, servers, sweeps
 
 
-def wait_ready(proc, url: str, timeout: float) -> float:
+def wait_ready(proc, url: str, timeout: float) -> tuple[float, float]:
+    """-> (seconds until /health answered 200, until it also reported no program compiling
+    in the background)."""
     import httpx
 
     t0 = time.perf_counter()
+    ready = None
     while True:
         if proc.poll() is not None:
             raise SystemExit(f"the server exited:\n{proc.stdout.read()}")
         if time.perf_counter() - t0 > timeout:
-            raise SystemExit(f"no ready server at {url} after {timeout:.0f}s")
+            raise SystemExit(f"no ready server with every program compiled at {url} after "
+                             f"{timeout:.0f}s")
         try:
-            if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
-                return time.perf_counter() - t0
+            health = httpx.get(url + "/health", timeout=2, trust_env=False)
+            if health.status_code == 200:
+                ready = ready or time.perf_counter() - t0
+                if health.json().get("compiling", 0) == 0:
+                    return ready, time.perf_counter() - t0
         except httpx.TransportError:
             pass
         time.sleep(0.5)
 
 
 def run_server(name, serve_args, sweeps, args, log=print) -> None:
+    import httpx
+
     from dspine_serve.bench import bench_serve
 
     port = free_port()
@@ -95,7 +115,12 @@ def run_server(name, serve_args, sweeps, args, log=print) -> None:
                              *serve_args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:
-        log(f"{name}: ready after {wait_ready(proc, url, args.ready_timeout):.1f}s")
+        ready, compiled = wait_ready(proc, url, args.ready_timeout)
+        log(f"{name}: ready after {ready:.1f}s, every program compiled after {compiled:.1f}s")
+        start = httpx.get(url + "/health", timeout=10, trust_env=False).json()
+        (folder / "start.json").write_text(json.dumps(
+            {"ready_s": round(ready, 1), "compiled_s": round(compiled, 1), "health": start},
+            indent=1))
         for r in range(1, args.repeats + 1):
             for s, (levels, n) in enumerate(sweeps, 1):
                 run = folder / f"run-{r}-{s}"

@@ -962,8 +962,9 @@ def test_serve_startup_benchmark(tiny_llama_dir, tmp_path):
 
 
 def test_serving_compare_benchmark(tiny_llama_dir, tmp_path):
-    """benchmarks/serving_compare.py: each server in turn, swept twice per level, every
-    request served, its /health kept, and the summary's medians over the runs."""
+    """benchmarks/serving_compare.py: each server in turn, measured once its programs are
+    all compiled, swept twice per level, every request served, its /health kept, and the
+    summary's medians over the runs."""
     from dspine_benchmarks import serving_compare
 
     prompts = tmp_path / "p.jsonl"
@@ -984,6 +985,9 @@ def test_serving_compare_benchmark(tiny_llama_dir, tmp_path):
         assert summary[name]["2"]["completed"] == 8
     assert json.loads((out / "ar-again" / "health.json").read_text())["max_slots"] == 1
     assert summary["ar"]["1"]["x_first"] == 1.0
+    # measured once every program had compiled, not just once the server was ready
+    start = json.loads((out / "ar" / "start.json").read_text())
+    assert start["health"]["compiling"] == 0 and start["compiled_s"] >= start["ready_s"] > 0
     # each run's end: the server's /health and /metrics (the requests of the runs before
     # it counted: 2 + 4 + 2)
     run = out / "ar" / "run-2-1"
