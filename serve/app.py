@@ -404,14 +404,14 @@ class _Run:
                 m.ttft.observe(t - self.arrival)
             else:
                 k = len(out.new_token_ids)
-                for _ in range(k):
-                    m.itl.observe((t - self.last_time) / k)
+                m.itl.observe((t - self.last_time) / k, count=k)
             self.last_time = t
         self.completion_tokens = out.completion_tokens
         self.accept_lengths += out.accept_lengths
         for a in out.accept_lengths:
             m.accept.observe(a)
-            m.verify_width.observe(out.verify_width)
+        if out.accept_lengths:
+            m.verify_width.observe(out.verify_width, count=len(out.accept_lengths))
 
     def usage(self) -> dict:
         return usage(self.prompt_tokens, self.completion_tokens, self.accept_lengths)

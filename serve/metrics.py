@@ -6,8 +6,14 @@ Names follow vLLM's where one exists (`num_requests_running`, `time_to_first_tok
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import math
+
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
                                generate_latest)
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from dspine_jax.runtime.engine_core import EngineStats
 
@@ -44,18 +50,18 @@ class ServerMetrics:
         self.preemptions = Counter("dspine_num_preemptions", "Requests preempted for KV "
                                    "pages (recomputed later).", registry=r)
         self._preemptions_seen = 0
-        self.accept = Histogram("dspine_accept_length", "Tokens emitted per target pass "
-                                "(1 for AR; up to the drafter's block size).",
-                                buckets=tuple(range(1, max_accept + 1)), registry=r)
-        self.verify_width = Histogram(
+        self.accept = LoopHistogram("dspine_accept_length", "Tokens emitted per target "
+                                    "pass (1 for AR; up to the drafter's block size).",
+                                    tuple(range(1, max_accept + 1)), registry=r)
+        self.verify_width = LoopHistogram(
             "dspine_verify_width", "Drafted tokens each target pass verified (0: a plain "
             "AR step; adaptive speculation picks per decode call).",
-            buckets=(0, 1, 3, 7, 15, 31, 63), registry=r)
+            (0, 1, 3, 7, 15, 31, 63), registry=r)
         self.ttft = Histogram("dspine_time_to_first_token_seconds", "Arrival to first "
                               "token.", buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("dspine_inter_token_latency_seconds", "Time per output token "
-                             "after the first (a burst of k tokens after dt counts k x dt/k).",
-                             buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = LoopHistogram("dspine_inter_token_latency_seconds", "Time per output "
+                                 "token after the first (a burst of k tokens after dt counts "
+                                 "k x dt/k).", LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("dspine_e2e_request_latency_seconds", "Arrival to last token.",
                              buckets=LATENCY_BUCKETS, registry=r)
 
@@ -76,3 +82,29 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class LoopHistogram:
+    """A Prometheus histogram for the per-token and per-pass series, which the server's
+    event loop alone updates and reads (`observe` in the request handlers, the scrape in
+    /metrics): no lock, and k equal observations in one call. prometheus_client's
+    Histogram takes a lock and one call per observation; at 64 streams its per-token calls
+    were a sixth of the event loop's time."""
+
+    def __init__(self, name: str, documentation: str, buckets, *, registry):
+        self.name, self.documentation = name, documentation
+        self.bounds = [float(b) for b in buckets] + [math.inf]
+        self.counts = [0] * len(self.bounds)      # per bucket, not cumulative
+        self.sum = 0.0
+        registry.register(self)
+
+    def observe(self, value: float, count: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += count
+        self.sum += value * count
+
+    def collect(self):
+        family = HistogramMetricFamily(self.name, self.documentation)
+        cumulative = itertools.accumulate(self.counts)
+        family.add_metric([], [(floatToGoString(b), c) for b, c in zip(self.bounds, cumulative)],
+                          self.sum)
+        yield family

@@ -894,6 +894,39 @@ def test_sse_events_stay_one_line_whatever_the_text():
     assert len(lines) == 1 and json.loads(lines[0].removeprefix("data: "))["text"] == text
 
 
+def test_loop_histogram_exposes_what_prometheus_histogram_does():
+    """The event loop's lock-free histogram (k equal observations in one call) must give
+    the same /metrics text as prometheus_client's Histogram fed one observation at a time,
+    values on bucket bounds, below the first and above the last included."""
+    import random
+
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from dspine_serve.metrics import LATENCY_BUCKETS, LoopHistogram
+
+    reference, ours = CollectorRegistry(), CollectorRegistry()
+    want = Histogram("t_seconds", "doc", buckets=LATENCY_BUCKETS, registry=reference)
+    got = LoopHistogram("t_seconds", "doc", LATENCY_BUCKETS, registry=ours)
+    rng = random.Random(0)
+    for _ in range(300):
+        value = rng.choice([0.0, 0.001, 0.0025, 0.003, 0.2, 80.0, 1e3, rng.random()])
+        k = rng.randint(1, 4)
+        got.observe(value, count=k)
+        for _ in range(k):
+            want.observe(value)
+
+    def lines(registry):
+        return [line for line in generate_latest(registry).decode().splitlines()
+                if "_created" not in line and "_sum " not in line]
+
+    def total(registry):     # value x k against k additions: equal up to rounding
+        return float(re.search(r"^t_seconds_sum (\S+)$", generate_latest(registry).decode(),
+                               re.M).group(1))
+
+    assert lines(ours) == lines(reference) and len(lines(ours)) == 2 + len(LATENCY_BUCKETS) + 2
+    assert total(ours) == pytest.approx(total(reference), rel=1e-12)
+
+
 def test_a_content_chunk_from_its_fixed_frame_equals_the_whole_event():
     """The streamed content chunk is built from the request's text around its piece: it
     must be byte for byte the event of the whole chunk, for chat and completions, quotes,
