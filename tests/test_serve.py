@@ -1027,3 +1027,21 @@ def test_serving_compare_benchmark(tiny_llama_dir, tmp_path):
     assert json.loads((run / "health.json").read_text())["status"] == "ok"
     assert re.search(r"^dspine_time_to_first_token_seconds_count\S* 8\.0$",
                      (run / "metrics.txt").read_text(), re.M)
+
+
+def test_serve_host_path_benchmark(tmp_path):
+    """benchmarks/serve_host_path.py: the real app over a stand-in engine streams every
+    request's max_tokens to the bench client, in pieces of --tokens-per-step."""
+    from dspine_benchmarks import serve_host_path
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"hello {i}", "chat": i % 2 == 0})
+                               + "\n" for i in range(4)))
+    report = serve_host_path.main([
+        "--concurrency", "2", "--max-slots", "2", "--num-prompts", "4", "--max-tokens", "10",
+        "--tokens-per-step", "3", "--step-ms", "1", "--repeats", "1", "--prompts",
+        str(prompts), "--work", str(tmp_path / "work"), "--out", str(tmp_path / "h.json")])
+    (run,) = report["runs"]
+    assert run["completed"] == 4 and run["failed"] == 0 and run["total_output_tokens"] == 40
+    assert report["device_ceiling_tokens_per_s"] == 2 * 3 / 1e-3
+    assert json.loads((tmp_path / "h.json").read_text())["runs"] == report["runs"]
