@@ -10,7 +10,7 @@ from dspine_benchmarks import serving_summary
 def level(c, tps, failed=0):
     return {"concurrency": c, "output_throughput": tps, "completed": 10 - failed,
             "failed": failed, "median_ttft_ms": tps / 100, "median_itl_ms": 1.0,
-            "accept_length": 2.0}
+            "mean_e2e_latency_ms": 1e5 / tps, "accept_length": 2.0}
 
 
 def test_median_per_level_and_ratio_to_the_first_server(tmp_path):
@@ -27,3 +27,4 @@ def test_median_per_level_and_ratio_to_the_first_server(tmp_path):
     assert (got["ar"]["1"]["min"], got["ar"]["1"]["max"]) == (100.0, 300.0)
     assert got["dspine"]["1"]["x_first"] == 1.5 and got["dspine"]["8"]["x_first"] == 1.5
     assert got["ar"]["8"]["failed"] == 1 and got["ar"]["8"]["completed"] == 49
+    assert got["ar"]["1"]["e2e_mean_ms"] == 500.0          # the median of the runs' means
