@@ -78,9 +78,9 @@ def parse(argv=None):
     return args, servers, sweeps
 
 
-def wait_ready(proc, url: str, timeout: float) -> tuple[float, float]:
+def wait_ready(proc, url: str, timeout: float) -> tuple[float, float, dict]:
     """-> (seconds until /health answered 200, until it also reported no program compiling
-    in the background)."""
+    in the background, that /health)."""
     import httpx
 
     t0 = time.perf_counter()
@@ -95,16 +95,15 @@ def wait_ready(proc, url: str, timeout: float) -> tuple[float, float]:
             health = httpx.get(url + "/health", timeout=2, trust_env=False)
             if health.status_code == 200:
                 ready = ready or time.perf_counter() - t0
-                if health.json().get("compiling", 0) == 0:
-                    return ready, time.perf_counter() - t0
+                state = health.json()
+                if state.get("compiling", 0) == 0:
+                    return ready, time.perf_counter() - t0, state
         except httpx.TransportError:
             pass
         time.sleep(0.5)
 
 
 def run_server(name, serve_args, sweeps, args, log=print) -> None:
-    import httpx
-
     from dspine_serve.bench import bench_serve
 
     port = free_port()
@@ -115,9 +114,8 @@ def run_server(name, serve_args, sweeps, args, log=print) -> None:
                              *serve_args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:
-        ready, compiled = wait_ready(proc, url, args.ready_timeout)
+        ready, compiled, start = wait_ready(proc, url, args.ready_timeout)
         log(f"{name}: ready after {ready:.1f}s, every program compiled after {compiled:.1f}s")
-        start = httpx.get(url + "/health", timeout=10, trust_env=False).json()
         (folder / "start.json").write_text(json.dumps(
             {"ready_s": round(ready, 1), "compiled_s": round(compiled, 1), "health": start},
             indent=1))
