@@ -101,7 +101,14 @@ def run(pipeline, engine_config: EngineConfig, *, model_name: str, sock: socket.
     host, port = sock.getsockname()[:2]
     sys.setswitchinterval(GIL_SWITCH_SECONDS)     # the process is the server's own
 
+    starting = [True]
+
+    def program_ready(timing) -> None:     # a line per program until ready
+        if starting[0]:
+            print(f"  {timing.describe()}", flush=True)
+
     def ready(seconds: float) -> None:
+        starting[0] = False
         later = engine.core.compiling
         programs, stored = engine.core.programs
         print(f"ready: {programs} programs in {seconds:.1f}s ({stored} from the program store; "
@@ -110,11 +117,17 @@ def run(pipeline, engine_config: EngineConfig, *, model_name: str, sock: socket.
                  "on these meanwhile" if later else ""), flush=True)
         if later:
             engine.core.background_compile.add_done_callback(lambda _: print(
-                f"compiled every program ({time.perf_counter() - t0:.1f}s after listening)",
-                flush=True))
+                f"compiled every program ({time.perf_counter() - t0:.1f}s after listening; "
+                f"{summary()})", flush=True))
+
+    def summary() -> str:
+        timings = engine.core.program_timings
+        return (f"{len(timings)} programs, tracing {sum(t.traced for t in timings):.1f}s and "
+                f"compiling {sum(t.compiled for t in timings):.1f}s in all")
 
     app, engine = build(pipeline, engine_config, model_name=model_name, max_queue=max_queue,
                         warmup="background", api_key=api_key, on_ready=ready)
+    engine.core.on_program_ready(program_ready)
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace_seconds,
                             lifespan="on", access_log=False)
     server = DrainingServer(config, engine)

@@ -983,15 +983,22 @@ def test_serve_startup_benchmark(tiny_llama_dir, tmp_path):
         run = report[start]
         assert run["completion_status"] == 200 and run["log"][1].startswith("ready")
         assert run["first_answer"]["seconds"] <= run["ready_seconds"]
-        # the unfiltered sampler's decode program compiles after the server is ready (a
-        # restart reads it from the store, maybe before the ready line)
+        # the unfiltered sampler's decode program and the short prefill chunk compile
+        # after the server is ready (a restart reads them from the store, maybe before
+        # the ready line)
         if start == "cold":
-            assert run["compiling_when_ready"] == 1 and "1 more programs" in run["log"][1]
+            assert run["compiling_when_ready"] == 2 and "2 more programs" in run["log"][1]
             assert run["log"][2].startswith("compiled every program")
         assert run["ready_seconds"] <= run["all_compiled_seconds"]
         ready, stored = map(int, re.match(r"ready: (\d+) programs .*\((\d+) from the program "
                                           r"store", run["log"][1]).groups())
         assert ready > 0 and stored == (0 if start == "cold" else ready)
+        # a line per program made ready before the server was
+        assert len(run["programs"]) == ready, run["programs"]
+        how = r": (traced [\d.]+s, compiled [\d.]+s|read from the program store)$"
+        assert all(re.search(how, line) for line in run["programs"])
+        assert sum("read from the program store" in line
+                   for line in run["programs"]) == stored
 
 
 def test_serving_compare_benchmark(tiny_llama_dir, tmp_path):

@@ -162,6 +162,16 @@ class EngineCore:
         steps = self._runner.steps
         return steps.compiles, steps.loaded
 
+    def on_program_ready(self, callback) -> None:
+        """Call `callback(slot_steps.ProgramTiming)` as each program becomes ready (in the
+        thread that compiled or loaded it); None stops it."""
+        self._runner.steps.on_ready = callback
+
+    @property
+    def program_timings(self) -> list:
+        """The `slot_steps.ProgramTiming` of every program made ready so far."""
+        return list(self._runner.steps.timings)
+
     def compiling_within(self, start: float, end: float) -> float:
         """Seconds of the perf_counter window [start, end] spent compiling."""
         return self._runner.steps.compiling_within(start, end)
@@ -277,33 +287,40 @@ class EngineCore:
         return Call("prefill", self.scheduler.prefill_matrix(rows, chunk), [None] * rows)
 
     def warmup(self, modes: Sequence[str] = SAMPLING_MODES) -> float:
-        """Compile before serving, in parallel, the programs that run any request (`modes`:
-        the sampling modes requests will take; a caller that knows its requests never
-        filter, or never sample, leaves those modes out): the decode call of every row
-        bucket, greedy and the most general of `modes`, at the widest verify width, and
-        the prefill call of one row at every chunk and of every row bucket at the longest
-        chunk; then one request end to end. Returns seconds. The other programs (narrower
-        widths, the other sampling modes, several rows' shorter chunks) then compile in
-        background threads (`compiling` counts them); until one is ready its calls run on
-        one of these (`Runner.cover`)."""
+        """Compile before serving, in parallel, the few programs that can run any request
+        (`modes`: the sampling modes requests will take; a caller that knows its requests
+        never filter, or never sample, leaves those modes out): decode at the widest verify
+        width over one row, greedy, and over the most rows, greedy and the most general of
+        `modes`; prefill of the longest chunk over one row and over the most rows; then one
+        request end to end. Returns seconds. Every other program then compiles in
+        background threads (`compiling` counts them), and until one is ready its calls run
+        on a larger or more general one (`Runner.cover`) with the same tokens: the server
+        is ready after at most five programs, whatever its slots and chunks."""
         unknown = sorted(set(modes) - set(SAMPLING_MODES))
         if unknown:
             raise InputError(f"unknown sampling modes {unknown}; choose from {SAMPLING_MODES}")
         t0 = time.perf_counter()
         s = self.scheduler
-        general = max(modes, key=SAMPLING_MODES.index)
-        first_modes = [m for m in SAMPLING_MODES if m in modes and m in ("greedy", general)]
-        first = [self._decode_call(r, m, s.widths[-1]) for r in s.row_sizes for m in first_modes]
-        first += [self._prefill_call(1, t) for t in s.chunk_sizes]
-        first += [self._prefill_call(g, s.chunk_sizes[-1]) for g in s.row_sizes[1:]]
-        # later: greedy's narrower widths first, then shorter chunks, then the other modes
         modes = [m for m in SAMPLING_MODES if m in modes]
-        narrow = [(r, m, w) for m in modes for r in s.row_sizes for w in s.widths[:-1]]
-        later = [self._decode_call(*c) for c in narrow if c[1] == "greedy"]
-        later += [self._prefill_call(g, t) for g in s.row_sizes[1:] for t in s.chunk_sizes[:-1]]
-        later += [self._decode_call(*c) for c in narrow if c[1] != "greedy"]
-        later += [self._decode_call(r, m, s.widths[-1]) for m in modes if m not in first_modes
-                  for r in s.row_sizes]
+        greedy, general = modes[0], modes[-1]
+        one, most, widest, longest = s.row_sizes[0], s.row_sizes[-1], s.widths[-1], \
+            s.chunk_sizes[-1]
+        first_decode = list(dict.fromkeys([(one, greedy, widest), (most, greedy, widest),
+                                           (most, general, widest)]))
+        first_prefill = list(dict.fromkeys([(one, longest), (most, longest)]))
+        # later, most used first: the widest width at every row bucket (greedy, then the
+        # general mode), the narrower widths (greedy first), one row's shorter chunks,
+        # several rows' shorter chunks, then the other modes
+        decode_later = [(r, m, widest) for m in (greedy, general) for r in s.row_sizes]
+        decode_later += [(r, m, w) for m in modes for r in s.row_sizes for w in s.widths[:-1]]
+        decode_later += [(r, m, widest) for m in modes for r in s.row_sizes]
+        prefill_later = [(g, t) for g in s.row_sizes for t in reversed(s.chunk_sizes)]
+        first = [self._decode_call(*c) for c in first_decode]
+        first += [self._prefill_call(*c) for c in first_prefill]
+        later = [self._decode_call(*c) for c in dict.fromkeys(decode_later)
+                 if c not in first_decode]
+        later += [self._prefill_call(*c) for c in dict.fromkeys(prefill_later)
+                  if c not in first_prefill]
         self._runner.precompile(first)
         # one request end to end on those programs (each call's first run pays the
         # device's one-time setup of it), then the rest compile in the background

@@ -39,6 +39,7 @@ step can emit per row.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import logging
 import os
@@ -99,6 +100,29 @@ def news(state: DecodeState, rows, tokens_before, passes_before, width: int,
 
 
 # ----- compilation ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ProgramTiming:
+    """How one program was made ready: traced and lowered (Python, holding the GIL) then
+    compiled by XLA, or read whole from the program store (`loaded`, nothing traced)."""
+    name: str                # "prefill" or "decode"
+    key: tuple               # its compile key (`prefill_key`, `decode_key`)
+    traced: float            # seconds tracing and lowering
+    compiled: float          # seconds in XLA's compiler (or reading the store)
+    loaded: bool
+
+    def describe(self) -> str:
+        if self.name == "decode":
+            _, rows, mode, width = self.key
+            what = f"decode {rows} row{'s' * (rows != 1)}, {mode}" + (
+                "" if width is None else f", width {width}")
+        else:
+            _, rows, chunk = self.key
+            what = f"prefill {rows} row{'s' * (rows != 1)} x {chunk} tokens"
+        how = ("read from the program store" if self.loaded else
+               f"traced {self.traced:.1f}s, compiled {self.compiled:.1f}s")
+        return f"{what}: {how}"
+
+
 class CompiledSteps:
     """The compiled prefill and decode calls of one decoder, one executable per shape key
     (state shapes, rows, chunk, sampling mode), compiled ahead of time. `precompile` compiles
@@ -125,6 +149,9 @@ class CompiledSteps:
         self._decoder = decoder
         self._identity: dict | None = None    # decoder.program_identity(), when first needed
         self._spans: list[tuple[float, float]] = []    # (start, end) of each compile
+        self.timings: list[ProgramTiming] = []         # one per program made ready
+        # called with each ProgramTiming as its program becomes ready (any thread)
+        self.on_ready = None
         self._lock = threading.Lock()
 
     def __call__(self, name: str, key, *args, mode: str = "filtered", **static):
@@ -137,7 +164,7 @@ class CompiledSteps:
                 executable = self._executables[(name, key)] = pending.result()
             else:
                 executable = self._executables[(name, key)] = self._compile(
-                    name, args, mode, static)
+                    name, key, args, mode, static)
         return executable(*args)
 
     def compiled(self, name: str, key) -> bool:
@@ -153,28 +180,35 @@ class CompiledSteps:
         """Programs still compiling in the background."""
         return len(self._pending)
 
-    def _compile(self, name: str, args, mode: str, static: dict):
-        """The executable of call `name` for `args`: from the program store where it holds
-        it (nothing traced), else traced, compiled and stored."""
+    def _compile(self, name: str, key, args, mode: str, static: dict):
+        """The executable of call `name` for `args` (compile key `key`): from the program
+        store where it holds it (nothing traced), else traced, compiled and stored."""
         started = time.perf_counter()
         store = compile_cache.program_store()
-        executable = key = None
+        executable = stored = None
         if store is not None:
             if self._identity is None:
                 self._identity = self._decoder.program_identity()
-            key = store.key(self._identity, name, args, {"mode": mode, **static})
-            executable = store.load(key)
+            stored = store.key(self._identity, name, args, {"mode": mode, **static})
+            executable = store.load(stored)
         loaded = executable is not None
+        traced = started
         if not loaded:
             with self.switches.active():     # in this thread: a compile worker's too
-                executable = self._jit[name].lower(*args, mode=mode, **static).compile()
+                lowered = self._jit[name].lower(*args, mode=mode, **static)
+                traced = time.perf_counter()
+                executable = lowered.compile()
             if store is not None:
-                store.save(key, executable)
+                store.save(stored, executable)
         ended = time.perf_counter()
+        timing = ProgramTiming(name, key, traced - started, ended - traced, loaded)
         with self._lock:
             self.compiles += 1
             self.loaded += loaded
             self._spans.append((started, ended))
+            self.timings.append(timing)
+        if self.on_ready is not None:
+            self.on_ready(timing)
         return executable
 
     def hlo_texts(self, name: str) -> list[str]:
@@ -213,7 +247,7 @@ class CompiledSteps:
             return
         workers = workers or min(len(todo), os.cpu_count() or 1)
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            futures = {key: pool.submit(self._compile, key[0], *todo[key]) for key in todo}
+            futures = {key: pool.submit(self._compile, *key, *todo[key]) for key in todo}
             for key, future in futures.items():
                 self._executables[key] = future.result()
 
@@ -250,7 +284,7 @@ class CompiledSteps:
                 self._pending.pop(key, None)
 
         with self._lock:    # pending before a fast compile's callback can clear it
-            futures = [((name, key), pool.submit(self._compile, name, args, mode, static))
+            futures = [((name, key), pool.submit(self._compile, name, key, args, mode, static))
                        for name, key, args, mode, static in todo]
             self._pending.update(futures)
         for key, future in futures:
