@@ -155,19 +155,23 @@ async def _one(client, base_url: str, model: str | None, prompt: dict, *, max_to
     return record
 
 
-async def _scrape_accept(client, base_url: str) -> tuple[float, float]:
-    """(sum, count) of the server's dspine_accept_length histogram; (nan, nan) if absent."""
+# what a level reads from /metrics before and after it (absent: nan)
+SCRAPED = {"accept_sum": "dspine_accept_length_sum", "accept_count": "dspine_accept_length_count",
+           **{f"device_{c}": f'dspine_device_seconds_total{{call="{c}"}}'
+              for c in ("prefill", "decode", "idle")}}
+
+
+async def _scrape(client, base_url: str) -> dict[str, float]:
+    """The server's counters in `SCRAPED` (nan where absent, e.g. another server)."""
     try:
         text = (await client.get(base_url + "/metrics")).text
     except Exception:  # noqa: BLE001
-        return math.nan, math.nan
+        text = ""
     values = {}
     for line in text.splitlines():
-        for name in ("dspine_accept_length_sum", "dspine_accept_length_count"):
-            if line.startswith(name + " "):
-                values[name] = float(line.split()[1])
-    return (values.get("dspine_accept_length_sum", math.nan),
-            values.get("dspine_accept_length_count", math.nan))
+        name, _, value = line.rpartition(" ")
+        values[name] = value
+    return {key: float(values.get(name, math.nan)) for key, name in SCRAPED.items()}
 
 
 async def run_level(base_url: str, prompts: Sequence[dict], *, concurrency: int,
@@ -183,7 +187,7 @@ async def run_level(base_url: str, prompts: Sequence[dict], *, concurrency: int,
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits,
                                  trust_env=False) as client:
-        accept_before = await _scrape_accept(client, base_url)
+        before = await _scrape(client, base_url)
         gate = asyncio.Semaphore(concurrency)
         rng = random.Random(seed)
 
@@ -218,10 +222,9 @@ async def run_level(base_url: str, prompts: Sequence[dict], *, concurrency: int,
                     await asyncio.sleep(rng.expovariate(request_rate))
             records = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-        accept_after = await _scrape_accept(client, base_url)
+        after = await _scrape(client, base_url)
     return summarize(records, duration, concurrency=concurrency, request_rate=request_rate,
-                     accept_metrics=(accept_after[0] - accept_before[0],
-                                     accept_after[1] - accept_before[1]))
+                     server={k: after[k] - before[k] for k in SCRAPED})
 
 
 def _ms(values, q) -> float:
@@ -229,13 +232,16 @@ def _ms(values, q) -> float:
 
 
 def summarize(records: Sequence[RequestRecord], duration: float, *, concurrency: int,
-              request_rate: float, accept_metrics=(math.nan, math.nan)) -> dict:
+              request_rate: float, server: dict[str, float] | None = None) -> dict:
+    """`server`: the level's change in the server's counters (`SCRAPED`)."""
     ok = [r for r in records if r.ok]
     ttft = [r.ttft for r in ok if not math.isnan(r.ttft)]
     itl = [x for r in ok for x in r.itl]
     out_tokens = sum(r.output_tokens for r in ok)
     passes = sum(r.target_passes for r in ok)
-    accept_sum, accept_count = accept_metrics
+    server = {k: math.nan for k in SCRAPED} | (server or {})
+    accept_sum, accept_count = server["accept_sum"], server["accept_count"]
+    device = {c: server[f"device_{c}"] for c in ("prefill", "decode", "idle")}
     return {
         "concurrency": concurrency,
         "request_rate": request_rate if math.isfinite(request_rate) else "inf",
@@ -257,6 +263,12 @@ def summarize(records: Sequence[RequestRecord], duration: float, *, concurrency:
         "accept_length": round((out_tokens - len(ok)) / passes, 4) if passes else math.nan,
         "accept_length_metrics": round(accept_sum / accept_count, 4)
         if accept_count and accept_count > 0 else math.nan,
+        # The server's device over the level (its /metrics): seconds running prefill and
+        # decode calls, and idle between a call and the next one queued behind it (the
+        # device waiting for the host), each also as a share of the level's duration.
+        **{f"device_{c}_s": round(v, 4) for c, v in device.items()},
+        **{f"device_{c}_share": round(v / duration, 4) if duration else math.nan
+           for c, v in device.items()},
     }
 
 

@@ -50,6 +50,13 @@ class ServerMetrics:
         self.preemptions = Counter("dspine_num_preemptions", "Requests preempted for KV "
                                    "pages (recomputed later).", registry=r)
         self._preemptions_seen = 0
+        self.device_seconds = Counter("dspine_device_seconds", "Seconds the device ran "
+                                      "the engine's calls, by call (prefill, decode), and "
+                                      "sat idle between one call's end and the next launch "
+                                      "(idle: the host's share).", ["call"], registry=r)
+        for call in ("prefill", "decode", "idle"):
+            self.device_seconds.labels(call=call)
+        self._device_seen: dict[str, float] = {}
         self.accept = LoopHistogram("dspine_accept_length", "Tokens emitted per target "
                                     "pass (1 for AR; up to the drafter's block size).",
                                     tuple(range(1, max_accept + 1)), registry=r)
@@ -79,6 +86,11 @@ class ServerMetrics:
         if new > 0:
             self.preemptions.inc(new)
             self._preemptions_seen = stats.preemptions
+        for call, seconds in stats.device_seconds.items():
+            new = seconds - self._device_seen.get(call, 0.0)
+            if new > 0:
+                self.device_seconds.labels(call=call).inc(new)
+                self._device_seen[call] = seconds
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

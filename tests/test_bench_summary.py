@@ -35,7 +35,8 @@ def percentile(values: list[float], q: float) -> float:
 
 def test_summary_of_a_level():
     s = summarize(records(), 8.0, concurrency=4, request_rate=math.inf,
-                  accept_metrics=(52.0, 20.0))
+                  server={"accept_sum": 52.0, "accept_count": 20.0, "device_prefill": 0.4,
+                          "device_decode": 6.0, "device_idle": 1.2})
     assert (s["concurrency"], s["request_rate"], s["duration_s"]) == (4, "inf", 8.0)
     assert (s["completed"], s["failed"]) == (10, 2)
     assert s["errors"] == ["HTTP 429: busy", "timed out after 600s"]
@@ -55,6 +56,10 @@ def test_summary_of_a_level():
     # 40 tokens, the first from prefill: 39 over 13 passes = 3 per pass.
     assert s["accept_length"] == 3.0
     assert s["accept_length_metrics"] == 2.6
+    # the server's device over the 8 s: 75% decoding, 5% prefilling, 15% waiting for the host
+    assert (s["device_decode_s"], s["device_prefill_s"], s["device_idle_s"]) == (6.0, 0.4, 1.2)
+    assert (s["device_decode_share"], s["device_prefill_share"],
+            s["device_idle_share"]) == (0.75, 0.05, 0.15)
 
 
 def test_a_level_with_no_finished_request_reports_no_figures():

@@ -519,6 +519,12 @@ def test_64_concurrent_streaming_clients_match_offline(pipe, offline, served):
     metrics = httpx.get(served.url + "/metrics").text
     assert "dspine_accept_length_count" in metrics
     assert "dspine_time_to_first_token_seconds_count" in metrics
+    # the device's seconds by call, the same in /metrics as in /health
+    device = {m[0]: float(m[1]) for m in re.findall(
+        r'^dspine_device_seconds_total\{call="(\w+)"\} (\S+)$', metrics, re.M)}
+    assert device.keys() == {"prefill", "decode", "idle"} and device["decode"] > 0
+    health = httpx.get(served.url + "/health").json()["device_seconds"]
+    assert all(abs(health[k] - device[k]) < 1e-3 for k in device), (health, device)
 
 
 def test_seeded_http_request_same_alone_and_under_load(served):
@@ -744,6 +750,9 @@ def test_bench_serve_cli(served, tmp_path):
     assert saved["skipped_long_prompts"] == 1
     for level in saved["levels"]:
         assert level["completed"] == 8 and level["failed"] == 0
+        # the server's device over the level, from its /metrics
+        assert level["device_decode_s"] > 0 and level["device_prefill_s"] > 0
+        assert 0 < level["device_decode_share"] + level["device_prefill_share"] <= 1.05
         assert level["total_output_tokens"] == 64 and level["output_throughput"] > 0
         assert level["accept_length"] >= 1 and level["accept_length_metrics"] >= 1
         assert level["median_ttft_ms"] > 0

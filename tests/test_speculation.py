@@ -381,10 +381,15 @@ def test_served_costs_are_device_time_not_the_hosts_delays():
         return read(futures)
 
     core._runner.read = late_read
+    before = core.stats().device_seconds
     serve_all(core, PROMPTS[:1], max_tokens=40)
     samples = [s for v in engine.policy.costs.samples.values() for s in v]
     # a call is 2 passes: a read 0.5 s late would make each pass cost >= 0.25 s
     assert len(samples) >= 3 and max(samples) < 0.1, samples
+    # the device's wait for those reads is counted as idle, apart from its calls' time
+    device = {k: v - before[k] for k, v in core.stats().device_seconds.items()}
+    assert device["prefill"] > 0 and device["decode"] > 0
+    assert device["idle"] >= 0.4 * (len(samples) - 1) > 2 * device["decode"], device
 
 
 def test_a_seeded_sample_is_served_at_one_width():

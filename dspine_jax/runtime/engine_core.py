@@ -65,6 +65,9 @@ class EngineStats:
     # latest calls), and the per-slot acceptance pooled over every request
     speculation_costs: dict = dataclasses.field(default_factory=dict)
     acceptance: tuple[float, ...] = ()
+    # seconds since the start: the device running prefill and decode calls, and idle
+    # between a call's end and the next launch (the host's share of a busy server)
+    device_seconds: dict = dataclasses.field(default_factory=dict)
 
     @property
     def free_slots(self) -> int:
@@ -215,7 +218,10 @@ class EngineCore:
                            verify_widths=tuple(w for w in self.scheduler.widths
                                                if w is not None),
                            runtime=self._runtime, engine=self.config.to_json(),
-                           compiling=self.compiling, **self._policy_view())
+                           compiling=self.compiling,
+                           device_seconds={k: round(v, 4) for k, v in
+                                           self._runner.device_seconds.items()},
+                           **self._policy_view())
 
     def _policy_view(self) -> dict:
         if self._policy is None:
@@ -244,6 +250,7 @@ class EngineCore:
         if not calls:
             return outputs, False
         for call in calls:
+            call.pipelined = bool(self._queued)
             call.news = self._runner.submit(call)
         timed = None
         # a call timed while programs compile beside it would teach the policy their cost

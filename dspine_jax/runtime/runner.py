@@ -71,6 +71,10 @@ class Runner:
         self._thread = concurrent.futures.ThreadPoolExecutor(1, "dspine-runner")
         self._timer = concurrent.futures.ThreadPoolExecutor(1, "dspine-device-timer")
         self._device_free = 0.0     # when the device finished the last timed call
+        # device seconds by call ("prefill", "decode"), and idle: between a call's end and
+        # the launch of the next one queued while a step was in flight (`Call.pipelined`),
+        # the device waiting for the host (the timer thread adds them)
+        self.device_seconds = {"prefill": 0.0, "decode": 0.0, "idle": 0.0}
 
     def sampling_mode(self, rows: np.ndarray) -> str:
         """What a decode call's rows ask of the sampler (part of its key): all greedy (no
@@ -200,13 +204,19 @@ class Runner:
         launched = time.perf_counter()
         self._state, news = self.steps(name, key, self._params, self._state, page_table,
                                        matrix, *inputs, **static)
-        call.device_seconds = self._timer.submit(self._device_busy, news, launched)
+        call.device_seconds = self._timer.submit(self._device_busy, news, launched, name,
+                                                 call.pipelined)
         return news
 
-    def _device_busy(self, news: jax.Array, launched: float) -> float:
+    def _device_busy(self, news: jax.Array, launched: float, name: str,
+                     pipelined: bool) -> float:
         """In the timer thread, call by call in launch order: seconds from when the device
         could start the call (its launch, or the previous call's end) to its end."""
         jax.block_until_ready(news)
         end = time.perf_counter()
-        busy, self._device_free = end - max(launched, self._device_free), end
+        start = max(launched, self._device_free)
+        if pipelined and self._device_free:
+            self.device_seconds["idle"] += start - self._device_free
+        busy, self._device_free = end - start, end
+        self.device_seconds[name] += busy
         return busy

@@ -123,6 +123,8 @@ class Call:
     mode: str | None = None         # decode: the sampling mode (None: the rows')
     news: object = None
     device_seconds: object = None
+    # queued behind a call still in flight: the device's wait before it is the host's
+    pipelined: bool = False
 
     @property
     def decode(self) -> bool:
