@@ -5,6 +5,7 @@ end requests. A fake device answers each planned call with the news a real one r
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -194,3 +195,17 @@ def test_scheduler_keeps_the_resolved_config():
     assert s.config.verify_widths is None and s.config.max_slots == 3
     with pytest.raises(InputError, match="num_pages must be at least"):
         scheduler(num_pages=1)
+
+
+def test_calls_are_padded_to_finer_row_sizes_when_a_pass_verifies_a_block():
+    """A speculative pass costs in proportion to its rows (each verifies a block), so from 8
+    rows on its calls are padded to powers of 2; an AR step's, to powers of 4."""
+    assert row_fields.row_buckets(64) == [1, 4, 16, 64]
+    assert row_fields.row_buckets(64, doubling_from=8) == [1, 4, 8, 16, 32, 64]
+    assert row_fields.row_buckets(8, doubling_from=8) == [1, 4, 8]
+    assert row_fields.row_buckets(100, doubling_from=8) == [1, 4, 8, 16, 32, 64, 100]
+    assert row_fields.row_buckets(512, minimum=16) == [16, 64, 256, 512]
+    speculative = dataclasses.replace(SPEC, pass_positions=16)
+    config = EngineConfig(max_slots=64, max_model_len=64)
+    assert Scheduler(SPEC, config).row_sizes == [1, 4, 16, 64]
+    assert Scheduler(speculative, config).row_sizes == [1, 4, 8, 16, 32, 64]

@@ -22,15 +22,20 @@ UINT32_FIELDS = ("seed",)
 BOOL_FIELDS = ("ignore_eos", "first_chunk")
 
 
-def row_buckets(limit: int, minimum: int = 1) -> list[int]:
-    """Sizes a call is padded to: powers of 4 from `minimum` (and `limit` itself). Four
-    times as many rows costs a decode step little (it is bound by weight reads or launches:
-    1.13 ms at batch 1 and 1.19 ms at batch 8 for SmolLM2 on an H200), and each size is
-    one more program to compile at start-up."""
+def row_buckets(limit: int, minimum: int = 1, *, doubling_from: int | None = None) -> list[int]:
+    """Sizes a call is padded to: powers of 4 from `minimum`, then from `doubling_from` on
+    powers of 2 (and `limit` itself). Four times as many rows costs an AR step little (it
+    is bound by weight reads or launches: 1.13 ms at batch 1 and 1.19 ms at batch 8 for
+    SmolLM2 on an H200), and each size is one more program to compile. A speculative pass
+    verifies a block per row, so its cost grows with its rows (SmolLM2 + DSpine on an
+    H100: 3.1 ms a pass at 16 rows, 4.8 ms at 64): there, 32 rows padded to 64 would
+    cost half a pass again."""
     sizes, n = [], minimum
     while n < limit:
         sizes.append(n)
-        n *= 4
+        n *= 2 if doubling_from is not None and n >= doubling_from else 4
+        if doubling_from is not None and sizes[-1] < doubling_from < n:
+            n = doubling_from
     return sizes + [limit]
 
 
