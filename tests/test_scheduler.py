@@ -5,7 +5,6 @@ end requests. A fake device answers each planned call with the news a real one r
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 
@@ -197,15 +196,13 @@ def test_scheduler_keeps_the_resolved_config():
         scheduler(num_pages=1)
 
 
-def test_calls_are_padded_to_finer_row_sizes_when_a_pass_verifies_a_block():
-    """A speculative pass costs in proportion to its rows (each verifies a block), so from 8
-    rows on its calls are padded to powers of 2; an AR step's, to powers of 4."""
+def test_calls_are_padded_to_powers_of_two_from_eight_rows():
+    """From 8 rows on a call costs in proportion to its rows, so it is padded to the next
+    power of 2, not of 4; chunks keep powers of 4."""
     assert row_fields.row_buckets(64) == [1, 4, 16, 64]
     assert row_fields.row_buckets(64, doubling_from=8) == [1, 4, 8, 16, 32, 64]
     assert row_fields.row_buckets(8, doubling_from=8) == [1, 4, 8]
     assert row_fields.row_buckets(100, doubling_from=8) == [1, 4, 8, 16, 32, 64, 100]
-    assert row_fields.row_buckets(512, minimum=16) == [16, 64, 256, 512]
-    speculative = dataclasses.replace(SPEC, pass_positions=16)
-    config = EngineConfig(max_slots=64, max_model_len=64)
-    assert Scheduler(SPEC, config).row_sizes == [1, 4, 16, 64]
-    assert Scheduler(speculative, config).row_sizes == [1, 4, 8, 16, 32, 64]
+    s = Scheduler(SPEC, EngineConfig(max_slots=64, max_model_len=64, prefill_chunk=512))
+    assert s.row_sizes == [1, 4, 8, 16, 32, 64]
+    assert s.chunk_sizes == [16, 64]      # the context leaves room for 64 tokens at most

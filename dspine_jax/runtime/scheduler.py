@@ -166,9 +166,9 @@ class Scheduler:
         # off while the engine warms up: those calls are each program's first run over a
         # dummy prompt, neither a cost nor an acceptance
         self.learning = True
-        # a pass that verifies a block per row is padded to finer sizes from 8 rows on
-        self.row_sizes = row_fields.row_buckets(
-            max_slots, doubling_from=8 if spec.pass_positions > 1 else None)
+        # rows 1, 4, 8, 16, 32, ...: from 8 rows on, padding costs a step or pass in
+        # proportion (`row_buckets`)
+        self.row_sizes = row_fields.row_buckets(max_slots, doubling_from=8)
         # chunks up to the first that holds the longest prompt (and a token) the context
         # leaves room for: a larger one would never be taken
         chunks = row_fields.row_buckets(config.prefill_chunk, minimum=16)

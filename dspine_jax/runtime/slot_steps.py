@@ -26,11 +26,10 @@ last step's, so host work hides behind the device only while it is shorter than 
 
 Compiled functions live with their decoder, not with one EngineCore: a server restarted
 in-process (or several cores over one pipeline) compiles nothing twice. Calls are padded
-to a few sizes (`rows.row_buckets`: R and G in powers of 4, from 8 rows on in powers of 2
-for a speculative decoder; T from 16 in powers of 4 up to the prefill chunk or the longest
-prompt), each compiled ahead of time per (size, sampling
-mode, width) key in parallel: at start-up those that run any request, the others in the
-background (`compile_later`).
+to a few sizes (`rows.row_buckets`: R and G 1, 4, then powers of 2 from 8; T from 16 in
+powers of 4 up to the prefill chunk or the longest prompt), each compiled ahead of time
+per (size, sampling mode, width) key in parallel: at start-up those that run any request,
+the others in the background (`compile_later`).
 
 Shape legend: S slots, R decoding rows in a decode call (bucketed), G rows in a prefill
 call, T prefill chunk, F fields of a row, PPS pages per slot, W tokens and P passes a
