@@ -61,7 +61,7 @@ class WaitingEngine:
     def has_work(self) -> bool:
         return bool(self._running or self._waiting or self._aborted)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, on_first_tokens=None) -> list[RequestOutput]:
         outputs = []
         for rid in self._aborted:
             if self._running.pop(rid, None) is not None:

@@ -41,12 +41,12 @@ def summarise(levels: dict[int, list[dict]]) -> dict[int, dict]:
                   "min": min(tps), "max": max(tps),
                   "completed": sum(r["completed"] for r in runs),
                   "failed": sum(r["failed"] for r in runs),
-                  "ttft_p50_ms": statistics.median(r["median_ttft_ms"] for r in runs),
-                  "itl_p50_ms": statistics.median(r["median_itl_ms"] for r in runs),
+                  "ttft_p50_ms": _median(r["median_ttft_ms"] for r in runs),
+                  "itl_p50_ms": _median(r["median_itl_ms"] for r in runs),
                   # a run of one wave (prompts = concurrency) lasts as long as its slowest
                   # request: the mean request time shows what a longer run would give
-                  "e2e_mean_ms": statistics.median(r["mean_e2e_latency_ms"] for r in runs),
-                  "tau": statistics.median(r["accept_length"] for r in runs),
+                  "e2e_mean_ms": _median(r["mean_e2e_latency_ms"] for r in runs),
+                  "tau": _median(r["accept_length"] for r in runs),
                   # the server's device over the level: busy (prefill + decode) and idle
                   # between calls queued back to back (waiting for the host), as shares
                   # of the level's time (nan: a server without the counters)

@@ -162,7 +162,8 @@ class EngineLoop:
                         return
                     self._apply(command)
                 if self.core.has_work():
-                    outputs = self.core.step()
+                    # first tokens go to their streams before the decode call ends
+                    outputs = self.core.step(on_first_tokens=self._dispatch)
                     self._stats = self.core.stats()
                     self._dispatch(outputs)
                     if self.on_step is not None:

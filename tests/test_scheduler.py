@@ -13,7 +13,7 @@ import pytest
 
 from dspine_jax.errors import InputError
 from dspine_jax.runtime import rows as row_fields
-from dspine_jax.runtime.requests import QueueFull, SamplingOptions
+from dspine_jax.runtime.requests import QueueFull, SamplingOptions, merge_outputs
 from dspine_jax.runtime.scheduler import DecoderSpec, EngineConfig, Scheduler
 
 EOS = 99
@@ -47,14 +47,14 @@ def news(call, gains: dict) -> np.ndarray:
 
 
 def step(s: Scheduler, gains=lambda call, r: ([7], False)):
-    """Plan a step and answer every call at once: -> (calls, outputs by request id)."""
+    """Plan a step and answer every call at once: -> (calls, outputs by request id, one
+    per request as the engine gives them)."""
     aborted, calls = s.schedule()
-    outs = {o.request_id: o for o in aborted}
+    outs = list(aborted)
     for call in calls:
         answer = {r.request_id: gains(call, r) for r in call.requests if r is not None}
-        for o in s.receive(call, news(call, answer))[0]:
-            outs[o.request_id] = o
-    return calls, outs
+        outs += s.receive(call, news(call, answer))[0]
+    return calls, {o.request_id: o for o in merge_outputs(outs)}
 
 
 def test_the_scheduler_imports_no_jax():
@@ -67,10 +67,12 @@ def test_admission_is_oldest_first_and_bounded_by_slots():
     s = scheduler()
     for name in "abc":
         s.add_request(name, [1, 2, 3], options())
-    calls, _ = step(s)
-    [prefill] = calls        # the prompts complete in this chunk: they decode next step
-    assert prefill.kind == "prefill"
-    assert [r.request_id for r in prefill.requests if r] == ["a", "b"]
+    calls, outs = step(s)
+    # the prompts complete in this chunk: they decode in the same step
+    assert [c.kind for c in calls] == ["prefill", "decode"]
+    assert [r.request_id for r in calls[0].requests if r] == ["a", "b"]
+    assert [r.request_id for r in calls[1].requests if r] == ["a", "b"]
+    assert outs["a"].new_token_ids == [7, 7]       # the first token, then a decode pass's
     assert s.num_waiting == 1 and s.num_running == 2
     calls, _ = step(s)
     assert [c.kind for c in calls] == ["decode"]
@@ -101,7 +103,7 @@ def test_a_call_holds_the_pages_its_passes_can_write():
     free once both finish."""
     s = scheduler(max_model_len=64)
     s.add_request("a", [1] * 14, options(max_tokens=20))
-    step(s)                                    # prefill: 14 positions, the first token
+    step(s)                 # prefill (14 positions, the first token), then a decode call
     calls, _ = step(s)
     assert calls[0].passes == SPEC.steps_per_call                 # alone: 4
     assert s.pages.held(0) == 2   # 14 + 4 positions of the call, + 4 of the next: 22
@@ -116,6 +118,30 @@ def test_a_call_holds_the_pages_its_passes_can_write():
                                        len(r.tokens) + max(1, call.passes) >= r.options.max_tokens))
     assert not s.has_work()
     assert s.pages.free_pages == s.pages.num_pages and s.used_tokens() == 0
+
+
+def test_a_prompt_decodes_in_the_step_its_last_chunk_is_prefilled():
+    """The step that completes a prompt also decodes it, holding the pages of that call:
+    alone and with nobody waiting, the decoder's most passes (4 here)."""
+    s = scheduler(prefill_chunk=16, max_model_len=128)
+    s.add_request("x", [1, 2], options(max_tokens=3))
+    s.add_request("long", [1] * 46, options(max_tokens=8))
+
+    def gains(call, r):
+        n = max(1, call.passes)
+        return [7] * n, len(r.tokens) + n >= r.options.max_tokens
+
+    kinds = []
+    for _ in range(3):          # x: prefilled and done in one step; long: 16, 16, 14
+        calls, outs = step(s, gains)
+        kinds.append([(c.kind, [r.request_id for r in c.requests if r]) for c in calls])
+    assert kinds[0] == [("prefill", ["x"]), ("decode", ["x"])]
+    assert kinds[1] == [("prefill", [])]
+    assert kinds[2] == [("prefill", ["long"]), ("decode", ["long"])]
+    assert calls[1].passes == SPEC.steps_per_call and outs.keys() == {"long"}
+    [long] = s._running.values()
+    # 46 positions and the call's 4: 4 pages of 16 (3 would hold 48)
+    assert s.pages.held(long.slot) == 4 and long.cache_bound == 46 + 4
 
 
 def test_the_newest_request_is_preempted_and_recomputed_from_its_tokens():

@@ -181,6 +181,33 @@ def test_a_row_alone_runs_the_longest_calls(pipe):
     assert max(passes_per_call(PLAIN[:2])) == 8
 
 
+def test_first_tokens_are_handed_over_before_the_decode_call_behind_them(pipe, offline):
+    """A request decodes in the step that prefills it; with `on_first_tokens` that step's
+    prefill news are read alone and handed over first (a server streams the first token
+    without waiting for the decode call), the decode call's come back from `step`, and
+    together they are the offline tokens."""
+    core = EngineCore(pipe.decoder, EngineConfig(max_slots=SLOTS, max_model_len=CONTEXT))
+    ref = offline[("plain", 0)].tokens[:12]
+    reads, early = [], []
+    real_read = core._runner.read
+
+    def read(futures):
+        reads.append(len(futures))
+        return real_read(futures)
+
+    core._runner.read = read
+    core.add_request("a", pipe.encode(PLAIN[0]), SamplingOptions(max_tokens=12))
+    handed = lambda outs: early.append((list(reads), outs))  # noqa: E731
+    assert core.step(on_first_tokens=handed) == [] and reads == []    # prefill + decode
+    late = core.step(on_first_tokens=handed)
+    [(read_before, [first])] = early
+    assert read_before == [1] and reads[:2] == [1, 1]   # the prefill's news, then decode's
+    assert first.new_token_ids == ref[:1] and not first.accept_lengths
+    got = gather(late, {"a": (first.new_token_ids, None, [])})
+    got = drain(core, got)
+    assert got["a"][0] == ref and len(early) == 1
+
+
 def test_engine_core_abort_stop_tokens_and_checks(pipe, offline):
     core = EngineCore(pipe.decoder, EngineConfig(max_slots=SLOTS, max_model_len=CONTEXT))
     ids = pipe.encode(PLAIN[0])
@@ -195,7 +222,9 @@ def test_engine_core_abort_stop_tokens_and_checks(pipe, offline):
     first = gather(core.step(), {})
     assert first == {}
     first = gather(core.step(), first)
-    assert all(len(first[f"long{i}"][0]) == 1 for i in range(SLOTS - 1))
+    # the first step prefilled every prompt and decoded them in one call: the first
+    # token and that call's
+    assert all(len(first[f"long{i}"][0]) > 1 for i in range(SLOTS - 1))
     assert core.stats().running == SLOTS and core.stats().waiting == 1
     assert core.abort("queued") and not core.abort("unknown")
     assert all(core.abort(f"long{i}") for i in range(SLOTS - 1))
@@ -302,9 +331,9 @@ def test_chunked_prefill_equals_offline_and_interleaves_with_decoding(pipe, ar):
     assert 96 < len(long_ids) <= 112
     core.add_request("short", pipe.encode(PLAIN[0]), SamplingOptions(max_tokens=120,
                                                                      ignore_eos=True))
-    got = gather(core.step(), {})                     # short: prefill queued
-    got = gather(core.step(), got)                    # its first token read
-    assert len(got["short"][0]) == 1
+    got = gather(core.step(), {})                     # short: prefill and decode queued
+    got = gather(core.step(), got)                    # their tokens read
+    assert len(got["short"][0]) > 1
     core.add_request("long", long_ids, SamplingOptions(max_tokens=24))
     steps_before_first_token = 0
     while "long" not in got:
@@ -428,9 +457,9 @@ def slow_engine(engine, seconds=0.03):
     core = engine.core
     step = core.step
 
-    def slow():
+    def slow(**kwargs):
         time.sleep(seconds)
-        return step()
+        return step(**kwargs)
 
     core.step = slow
     try:
@@ -992,11 +1021,10 @@ def test_serve_startup_benchmark(tiny_llama_dir, tmp_path):
         run = report[start]
         assert run["completion_status"] == 200 and run["log"][1].startswith("ready")
         assert run["first_answer"]["seconds"] <= run["ready_seconds"]
-        # the unfiltered sampler's decode program and the short prefill chunk compile
-        # after the server is ready (a restart reads them from the store, maybe before
-        # the ready line)
+        # the unfiltered sampler's decode program compiles after the server is ready (a
+        # restart reads it from the store, maybe before the ready line)
         if start == "cold":
-            assert run["compiling_when_ready"] == 2 and "2 more programs" in run["log"][1]
+            assert run["compiling_when_ready"] == 1 and "1 more programs" in run["log"][1]
             assert run["log"][2].startswith("compiled every program")
         assert run["ready_seconds"] <= run["all_compiled_seconds"]
         ready, stored = map(int, re.match(r"ready: (\d+) programs .*\((\d+) from the program "

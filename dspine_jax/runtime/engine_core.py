@@ -30,6 +30,7 @@ import itertools
 import time
 from typing import Sequence
 
+import jax
 import numpy as np
 
 from dspine_jax.decoding import BatchDecoder
@@ -37,7 +38,7 @@ from dspine_jax.errors import InputError
 from dspine_jax.runtime import slot_steps
 from dspine_jax.runtime.config import DEFAULT_PREFILL_CHUNK, EngineConfig, RuntimeConfig
 from dspine_jax.runtime.requests import (FINISH_REASONS, QueueFull, RequestOutput,
-                                         SamplingOptions)
+                                         SamplingOptions, merge_outputs)
 from dspine_jax.runtime.runner import Runner
 from dspine_jax.runtime.scheduler import Call, DecoderSpec, Scheduler
 from dspine_jax.sampling import SAMPLING_MODES
@@ -88,7 +89,7 @@ class _Step:
     calls: list[Call]
     compiles: int           # programs compiled before it was queued (a timed step must
                             # see no more)
-    timed: tuple | None     # (rows, width) of a step whose one call is a decode call
+    timed: Call | None      # its decode call, timed for adaptive speculation
 
 
 class EngineCore:
@@ -232,13 +233,17 @@ class EngineCore:
         return {"speculation_costs": costs,
                 "acceptance": tuple(round(a, 3) for a in self._policy.pool.alpha())}
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, on_first_tokens=None) -> list[RequestOutput]:
         """Queue this step's calls, then read the step queued before them (when nothing
         was queued now: the last one), so that the device is never idle while the host
-        reads, streams and plans."""
+        reads, streams and plans. A request whose prompt a step's prefill completes also
+        decodes in that step's decode call: its first token and that call's tokens come
+        back as one output, or, with `on_first_tokens`, the prefill's outputs go to
+        `on_first_tokens(outputs)` as soon as they are read, before the decode call behind
+        them ends (a server streams first tokens sooner), and the rest are returned."""
         outputs, queued = self._queue_step()
         if len(self._queued) > 1 or (self._queued and not queued):
-            outputs += self._collect(self._queued.popleft())
+            outputs += self._collect(self._queued.popleft(), on_first_tokens)
         return outputs
 
     # ----- one step --------------------------------------------------------------------
@@ -253,24 +258,35 @@ class EngineCore:
             call.pipelined = bool(self._queued)
             call.news = self._runner.submit(call)
         timed = None
-        # a call timed while programs compile beside it would teach the policy their cost
-        if self.scheduler.learning and self._policy is not None and len(calls) == 1 \
-                and calls[0].decode and not self.compiling:
-            timed = (len(calls[0].requests), calls[0].width)
+        # the decode call's device time (each call's is measured alone); a call timed
+        # while programs compile beside it would teach the policy their cost
+        decode = calls[-1]
+        if self.scheduler.learning and self._policy is not None and decode.decode \
+                and not self.compiling:
+            timed = decode
         self._queued.append(_Step(calls, compiles, timed))
         return outputs, True
 
-    def _collect(self, step: _Step) -> list[RequestOutput]:
-        """Read a queued step's news (one device-to-host transfer) and hand them to the
-        scheduler; time the step for adaptive speculation."""
-        arrays = self._runner.read([call.news for call in step.calls])
+    def _collect(self, step: _Step, on_first_tokens=None) -> list[RequestOutput]:
+        """Read a queued step's news (one device-to-host transfer, or two with
+        `on_first_tokens`: `step`) and hand them to the scheduler; time the step's decode
+        call for adaptive speculation."""
+        calls = step.calls
+        if on_first_tokens is not None and len(calls) > 1:
+            [news] = self._runner.read([calls[0].news])
+            on_first_tokens(self.scheduler.receive(calls[0], news)[0])
+            calls = calls[1:]
+        arrays = self._runner.read([call.news for call in calls])
         outputs, passes = [], 0
-        for call, news in zip(step.calls, arrays):
+        for call, news in zip(calls, arrays):
             gained, ran = self.scheduler.receive(call, news)
             outputs += gained
             passes = max(passes, ran)
-        if step.timed is not None and step.compiles == self._runner.steps.compiles:
-            self._timings.append((*step.timed, passes, step.calls[0].device_seconds))
+        outputs = merge_outputs(outputs)
+        timed = step.timed
+        if timed is not None and step.compiles == self._runner.steps.compiles:
+            self._timings.append((len(timed.requests), timed.width, passes,
+                                  timed.device_seconds))
         # the device times the timer thread has measured by now (none is waited for)
         while self._timings and self._timings[0][-1].done():
             rows, width, passes, seconds = self._timings.popleft()
@@ -298,11 +314,12 @@ class EngineCore:
         (`modes`: the sampling modes requests will take; a caller that knows its requests
         never filter, or never sample, leaves those modes out): decode at the widest verify
         width over one row, greedy, and over the most rows, greedy and the most general of
-        `modes`; prefill of the longest chunk over one row and over the most rows; then one
-        request end to end. Returns seconds. Every other program then compiles in
-        background threads (`compiling` counts them), and until one is ready its calls run
-        on a larger or more general one (`Runner.cover`) with the same tokens: the server
-        is ready after at most five programs, whatever its slots and chunks."""
+        `modes`; prefill of the longest chunk over one row (on a CPU: of every chunk) and
+        over the most rows; then one request end to end. Returns seconds. Every other
+        program then compiles in background threads (`compiling` counts them), and until
+        one is ready its calls run on a larger or more general one (`Runner.cover`) with
+        the same tokens: on an accelerator the server is ready after at most five
+        programs, whatever its slots and chunks."""
         unknown = sorted(set(modes) - set(SAMPLING_MODES))
         if unknown:
             raise InputError(f"unknown sampling modes {unknown}; choose from {SAMPLING_MODES}")
@@ -314,7 +331,12 @@ class EngineCore:
             s.chunk_sizes[-1]
         first_decode = list(dict.fromkeys([(one, greedy, widest), (most, greedy, widest),
                                            (most, general, widest)]))
-        first_prefill = list(dict.fromkeys([(one, longest), (most, longest)]))
+        # on a CPU a chunk costs in proportion to its tokens (one row's 16-token prompt on
+        # the 512-token program: ~10 s of SmolLM2 on 2 cores), so one row's prefill is
+        # ready at every chunk there; on an accelerator a short chunk costs about what a
+        # long one does, and the longest covers them
+        one_row = s.chunk_sizes if jax.default_backend() == "cpu" else [longest]
+        first_prefill = list(dict.fromkeys([(one, t) for t in one_row] + [(most, longest)]))
         # later, most used first: the widest width at every row bucket (greedy, then the
         # general mode), the narrower widths (greedy first), one row's shorter chunks,
         # several rows' shorter chunks, then the other modes

@@ -51,7 +51,7 @@ def validate_sampling(temperature: float, top_p: float, top_k: int) -> None:
 
 @dataclasses.dataclass
 class RequestOutput:
-    """What one request gained in one step."""
+    """What one request gained in one step (or in one call of it: `EngineCore.step`)."""
     request_id: str
     new_token_ids: list[int]
     finished: bool
@@ -60,3 +60,16 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int           # all tokens so far, EOS / stop token included
     verify_width: int = 0            # drafts each of those passes verified (0: AR step)
+
+
+def merge_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """One output per request from a step's calls, in order of first appearance: a
+    request whose prompt a step's prefill completes gains its first token there and more
+    in the same step's decode call."""
+    merged: dict[str, RequestOutput] = {}
+    for o in outputs:
+        prev = merged.get(o.request_id)
+        merged[o.request_id] = o if prev is None else dataclasses.replace(
+            o, new_token_ids=prev.new_token_ids + o.new_token_ids,
+            accept_lengths=prev.accept_lengths + o.accept_lengths)
+    return list(merged.values())

@@ -262,8 +262,11 @@ class Scheduler:
         self._aborted = []
         self._grow()
         self._admit()
+        prefill = self._prefill()
+        # a request whose prompt this prefill completes decodes in the same step, not a
+        # step later (`_grow` or `_admit` took the pages of that decode call)
         decoding = sorted(s for s, r in self._running.items() if r.decoding)
-        calls = [c for c in (self._prefill(), self._decode(decoding) if decoding else None)
+        calls = [c for c in (prefill, self._decode(decoding) if decoding else None)
                  if c is not None]
         return outputs, calls
 
@@ -275,11 +278,13 @@ class Scheduler:
                    request.max_positions + self.spec.extra_capacity)
 
     def _grow(self) -> None:
-        """Every decoding request holds the pages of its next decode call; the newest
-        requests are preempted while the pool is short."""
-        self._next_passes = self._passes(sum(r.decoding for r in self._running.values()))
-        for request in sorted(self._running.values(), key=lambda r: r.order):
-            if not request.decoding or request.slot < 0:
+        """Every request that decodes in this step (decoding, or completing its prompt in
+        this step's prefill) holds the pages of its next decode call; the newest requests
+        are preempted while the pool is short."""
+        decoding = [r for r in self._running.values() if r.decoding or self._starts(r)]
+        self._next_passes = self._passes(len(decoding))
+        for request in sorted(decoding, key=lambda r: r.order):
+            if request.slot < 0:
                 continue
             need = self._decode_need(request)
             if self.pages.holds(request.slot, need):
@@ -291,6 +296,10 @@ class Scheduler:
                     break
             else:
                 self.pages.resize(request.slot, need)
+
+    def _starts(self, request: Request) -> bool:
+        """Whether this step's prefill chunk completes the request's prompt."""
+        return not request.decoding and len(request.fill) - request.filled <= self.prefill_chunk
 
     def _preempt(self, request: Request) -> None:
         """Free the request's slot and pages; it waits at the head of the queue and is
@@ -399,10 +408,11 @@ class Scheduler:
 
     def _passes(self, decoding: int) -> int:
         """Passes of the next decode call: the decoder's most for a row decoding alone
-        with nobody waiting (a long call then delays no one, and pays the per-call cost
-        less often), else its shared count (a finishing row's slot and a waiting request
-        wait for the call's end)."""
-        if decoding == 1 and not self._waiting:
+        with nobody waiting, or for the one request an idle engine is about to admit (a
+        long call then delays no one, and pays the per-call cost less often), else its
+        shared count (a finishing row's slot and a waiting request wait for the call's
+        end)."""
+        if (decoding, len(self._waiting)) in ((1, 0), (0, 1)):
             return self.spec.steps_per_call
         return self.spec.shared_steps_per_call
 
