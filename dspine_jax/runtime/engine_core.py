@@ -314,8 +314,9 @@ class EngineCore:
         (`modes`: the sampling modes requests will take; a caller that knows its requests
         never filter, or never sample, leaves those modes out): decode at the widest verify
         width over one row, greedy, and over the most rows, greedy and the most general of
-        `modes`; prefill of the longest chunk over one row (on a CPU: of every chunk) and
-        over the most rows; then one request end to end. Returns seconds. Every other
+        `modes` (on a CPU also one row in that mode); prefill of the longest chunk over one
+        row (on a CPU: of every chunk) and over the most rows; then one request end to
+        end. Returns seconds. Every other
         program then compiles in background threads (`compiling` counts them), and until
         one is ready its calls run on a larger or more general one (`Runner.cover`) with
         the same tokens: on an accelerator the server is ready after at most five
@@ -329,13 +330,16 @@ class EngineCore:
         greedy, general = modes[0], modes[-1]
         one, most, widest, longest = s.row_sizes[0], s.row_sizes[-1], s.widths[-1], \
             s.chunk_sizes[-1]
-        first_decode = list(dict.fromkeys([(one, greedy, widest), (most, greedy, widest),
-                                           (most, general, widest)]))
-        # on a CPU a chunk costs in proportion to its tokens (one row's 16-token prompt on
-        # the 512-token program: ~10 s of SmolLM2 on 2 cores), so one row's prefill is
-        # ready at every chunk there; on an accelerator a short chunk costs about what a
-        # long one does, and the longest covers them
-        one_row = s.chunk_sizes if jax.default_backend() == "cpu" else [longest]
+        # on a CPU a call costs in proportion to its rows and tokens (one row's 2-token
+        # prompt on the 512-token program, or its sampled decode on the 8-row one: ~10 s
+        # of SmolLM2 + DSpine on 2 cores), so one row's programs are ready in the general
+        # mode and at every chunk there; on an accelerator a small call costs about what
+        # a large one does, and the largest cover them
+        cpu = jax.default_backend() == "cpu"
+        first_decode = list(dict.fromkeys(
+            [(one, greedy, widest)] + [(one, general, widest)] * cpu
+            + [(most, greedy, widest), (most, general, widest)]))
+        one_row = s.chunk_sizes if cpu else [longest]
         first_prefill = list(dict.fromkeys([(one, t) for t in one_row] + [(most, longest)]))
         # later, most used first: the widest width at every row bucket (greedy, then the
         # general mode), the narrower widths (greedy first), one row's shorter chunks,
