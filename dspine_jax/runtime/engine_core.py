@@ -282,7 +282,8 @@ class EngineCore:
             gained, ran = self.scheduler.receive(call, news)
             outputs += gained
             passes = max(passes, ran)
-        outputs = merge_outputs(outputs)
+        if len(calls) > 1:         # a prefill's first tokens and its decode call's
+            outputs = merge_outputs(outputs)
         timed = step.timed
         if timed is not None and step.compiles == self._runner.steps.compiles:
             self._timings.append((len(timed.requests), timed.width, passes,
@@ -316,11 +317,10 @@ class EngineCore:
         width over one row, greedy, and over the most rows, greedy and the most general of
         `modes` (on a CPU also one row in that mode); prefill of the longest chunk over one
         row (on a CPU: of every chunk) and over the most rows; then one request end to
-        end. Returns seconds. Every other
-        program then compiles in background threads (`compiling` counts them), and until
-        one is ready its calls run on a larger or more general one (`Runner.cover`) with
-        the same tokens: on an accelerator the server is ready after at most five
-        programs, whatever its slots and chunks."""
+        end. Returns seconds. Every other program then compiles in background threads
+        (`compiling` counts them), and until one is ready its calls run on a larger or
+        more general one (`Runner.cover`) with the same tokens: on an accelerator the
+        server is ready after at most five programs, whatever its slots and chunks."""
         unknown = sorted(set(modes) - set(SAMPLING_MODES))
         if unknown:
             raise InputError(f"unknown sampling modes {unknown}; choose from {SAMPLING_MODES}")
