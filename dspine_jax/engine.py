@@ -136,14 +136,21 @@ class SpeculativeEngine(BatchDecoder):
         return out.logits[:, 0], (out.cache, context)
 
     # ----- the three stages ------------------------------------------------------------------
-    def draft(self, params, state: DecodeState, sampling,
-              rng) -> tuple[Proposal, DecodeState]:
-        """-> the proposal, and the state whose context pages hold the block's keys."""
+    def draft(self, params, state: DecodeState, sampling, rng,
+              width: int | None = None) -> tuple[Proposal, DecodeState]:
+        """-> the proposal of `width` drafts (default: the whole block), and the state
+        whose context pages hold the block's keys. A causal block (DSpine) is drafted only
+        as far as the verify reaches (its first width + 1 positions are the same either
+        way): a narrower verify saves the draft's and the proposal's work too, not only
+        the target's. A bidirectional block (DFlash) is drafted whole and cut."""
         drafter, target = self.drafter(params), self.target(params)
         e_out = target.output_embedding()
+        positions = None if width is None or not self.drafter_config.causal_block \
+            else width + 1
         with jax.named_scope("draft"):
             out = drafter.draft_block(state.last_token, state.caches[1],
-                                      target.input_embedding(), e_out, attention=self.attention)
+                                      target.input_embedding(), e_out, attention=self.attention,
+                                      positions=positions)
         state = state.replace(caches=(state.caches[0], out.context))
         with jax.named_scope("proposal"):
             proposal = drafter.proposer(self.proposal_impl, self.proposal_kernel).propose(
@@ -198,7 +205,7 @@ class SpeculativeEngine(BatchDecoder):
         if width == 0:
             proposal, verdict, target_out = self.plain_step(params, state, sampling, verify_key)
         else:
-            proposal, state = self.draft(params, state, sampling, draft_key)
+            proposal, state = self.draft(params, state, sampling, draft_key, width)
             proposal = proposal_prefix(proposal, width)
             verdict, target_out = self.verify(params, state, proposal, sampling, verify_key)
         return self.accept(params, state, proposal, verdict, target_out, ignore_eos)

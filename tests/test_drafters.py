@@ -80,6 +80,32 @@ def test_training_and_inference_forwards_agree(target, kind):
         np.testing.assert_allclose(block.logits[:, 0], out.logits[:, j], rtol=1e-5, atol=1e-5)
 
 
+def test_a_causal_block_drafted_in_part_equals_the_whole_blocks_first_positions(target):
+    """DSpine drafts only as far as a narrower verify reaches: every output of its first
+    positions (logits, hidden, the transition cache, injection features) equals the
+    whole block's; DFlash's bidirectional block refuses."""
+    drafter = make(target, "dspine")
+    feats = features(target, drafter, TOKENS)
+    ctx = drafter.extend_context(drafter.create_context(2, 32), feats, jnp.asarray([9, 13]))
+    args = (TOKENS[jnp.arange(2), jnp.asarray([9, 13])], ctx, target.input_embedding(),
+            target.output_embedding())
+    whole = drafter.draft_block(*args)
+    for positions in (2, 3):
+        part = drafter.draft_block(*args, positions=positions)
+        assert part.logits.shape == (2, 1, positions, 97)
+        for name in ("logits", "hidden", "pre_injection"):
+            np.testing.assert_allclose(getattr(part, name),
+                                       getattr(whole, name)[:, :, :positions],
+                                       rtol=1e-5, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(part.features, whole.features[:, :, :, :positions],
+                                   rtol=1e-5, atol=1e-5)
+    for bad in (1, K + 1):
+        with pytest.raises(ValueError, match="positions must be in"):
+            drafter.draft_block(*args, positions=bad)
+    with pytest.raises(ValueError, match="bidirectional"):
+        make(target, "dflash").draft_block(*args, positions=2)
+
+
 def test_context_cache_extends_incrementally(target):
     drafter = make(target, "dspine")
     feats = features(target, drafter, TOKENS)

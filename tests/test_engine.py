@@ -106,7 +106,7 @@ class OracleEngine(SpeculativeEngine):
         self.truth = jnp.asarray(truth)
         self.wrong = jnp.asarray(wrong)
 
-    def draft(self, params, state, sampling, rng):
+    def draft(self, params, state, sampling, rng, width=None):
         k = self.block_size
         idx = state.num_generated[:, None] + jnp.arange(k - 1)[None, :]
         tokens = jnp.take_along_axis(self.truth, jnp.minimum(idx, self.truth.shape[1] - 1), 1)

@@ -264,6 +264,36 @@ def test_greedy_equals_autoregressive_at_every_width(kind):
         len(g.accept_lengths) for g in got)
 
 
+def test_a_narrower_pass_drafts_the_same_tokens():
+    """DSpine drafts only as far as a pass verifies: from the same state, the drafts
+    and their q at width w are the whole block's first w (greedy and sampled)."""
+    import jax.numpy as jnp
+
+    from dspine_jax import row_keys
+    from dspine_jax.sampling import SamplingParams
+
+    import jax
+    from flax import nnx
+
+    target, drafter = build(kind="dspine", block=8)
+    params = nnx.state(drafter, nnx.Param)       # drafts that vary from slot to slot
+    leaves, treedef = jax.tree.flatten(params)
+    noise = [jax.random.normal(jax.random.key(i), x.shape, x.dtype) for i, x in enumerate(leaves)]
+    nnx.update(drafter, jax.tree.unflatten(treedef, [x + n for x, n in zip(leaves, noise)]))
+    engine = SpeculativeEngine(target, drafter, eos_token_ids=[0],
+                               speculation=SpeculationConfig("adaptive"))
+    state = FixedBatch(engine, PROMPTS[:6], max_new_tokens=20).prefill()
+    keys = row_keys.row_keys(jnp.arange(6, dtype=jnp.int32))
+    for sampling in (SamplingParams.create(6), SamplingParams.create(6, 1.0)):
+        whole, _ = engine.draft(engine.params(), state, sampling, keys)
+        assert len(set(np.asarray(whole.tokens).ravel().tolist())) > 6
+        for width in (1, 3, 7):
+            part, _ = engine.draft(engine.params(), state, sampling, keys, width)
+            assert part.tokens.shape == (6, width)
+            np.testing.assert_array_equal(part.tokens, whole.tokens[:, :width])
+            np.testing.assert_allclose(part.q_tokens, whole.q_tokens[:, :width], rtol=1e-5)
+
+
 @pytest.mark.parametrize("mode, width", [("fixed", 1), ("fixed", 3), ("adaptive", None)])
 def test_sampling_at_a_width_follows_the_target_distribution(mode, width):
     target, drafter = build(SMALL, kind="dspine", block=4, scale=6.0)

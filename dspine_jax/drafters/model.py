@@ -168,9 +168,11 @@ class BlockDrafter(nnx.Module):
             return np.asarray(self.transfer_codes[...], np.float32)
         return code_table(output_embedding, self.transfer_mean[...], self.transfer_whiten[...])
 
-    def _block_inputs(self, anchor_tokens: jax.Array, input_embedding: jax.Array):
-        """[anchor, MASK, ..., MASK] per block, embedded with the frozen E_in: [B, n, K, D]."""
-        k = self.config.block_size
+    def _block_inputs(self, anchor_tokens: jax.Array, input_embedding: jax.Array,
+                      positions: int | None = None):
+        """[anchor, MASK, ..., MASK] per block (its first `positions`, default all K),
+        embedded with the frozen E_in: [B, n, K, D]."""
+        k = positions or self.config.block_size
         tokens = jnp.concatenate([anchor_tokens[..., None], jnp.full(
             anchor_tokens.shape + (k - 1,), self.config.mask_token_id, anchor_tokens.dtype)], -1)
         return jnp.take(input_embedding, tokens, axis=0).astype(self.dtype)
@@ -292,17 +294,29 @@ class BlockDrafter(nnx.Module):
                                lengths=metadata.kv_lens)
 
     def draft_block(self, anchor_tokens: jax.Array, context: PagedKVCache, input_embedding,
-                    output_embedding,
-                    attention: AttentionBackend | None = None) -> DraftOutput:
+                    output_embedding, attention: AttentionBackend | None = None,
+                    positions: int | None = None) -> DraftOutput:
         """One block per row: the anchor [B] sits at position context.lengths (the context
         holds features for every earlier position). The block's K keys are written at
         lengths .. lengths + K - 1 (the pages must reach that far) and not kept: the
-        returned `context` has the same lengths. Returns [B, 1, K, ...] outputs."""
+        returned `context` has the same lengths. Returns [B, 1, K, ...] outputs.
+
+        positions: draft only the block's first `positions` (a verify narrower than the
+        block needs no more). Only a causal block (DSpine) allows it: its first positions
+        see no later one, so their outputs are those of the whole block; a bidirectional
+        block's every position sees all the others."""
         k = self.config.block_size
+        if positions is not None and positions != k:
+            if not 2 <= positions <= k:      # the anchor and at least one draft
+                raise ValueError(f"positions must be in [2, {k}], got {positions}")
+            if not self.config.causal_block:
+                raise ValueError("only a causal block (DSpine) can be drafted in part: "
+                                 "every position of a bidirectional block sees the others")
+            k = positions
         metadata = AttentionMetadata.paged(context.lengths, context.page_table, k,
                                            mask=self.block_mask)
         ctx = list(zip(context.k_pages, context.v_pages))
-        out, ctx = self._run(self._block_inputs(anchor_tokens[:, None], input_embedding),
+        out, ctx = self._run(self._block_inputs(anchor_tokens[:, None], input_embedding, k),
                              metadata, attention or XlaBackend(), ctx,
                              anchor_tokens[:, None], output_embedding)
         written = context.replace(k_pages=tuple(p[0] for p in ctx),
