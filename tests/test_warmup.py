@@ -62,7 +62,8 @@ def test_requests_run_on_the_first_programs_while_the_rest_compile(held_compiles
     for rows in (1, 4):
         for width in (0, BLOCK - 1):
             engine.policy.costs.set(rows, width, 1.0 if width == 0 else 100.0)
-    core = EngineCore(engine, EngineConfig(max_slots=4, max_model_len=64))
+    core = EngineCore(engine, EngineConfig(max_slots=4, max_model_len=64,
+                                           verify_widths=(0, BLOCK - 1)))
     s = core.scheduler
     assert s.row_sizes == [1, 4] and s.chunk_sizes == [16, 64] and s.widths == (0, BLOCK - 1)
 
@@ -124,4 +125,38 @@ def test_warmup_with_a_restricted_set_of_modes_compiles_only_those():
     assert modes == {"greedy"}
     # decode at rows 1, 2; prefill (1, 16), (1, 64), (2, 64), then (2, 16) later
     assert steps.compiles == 6
+    core.close()
+
+
+def test_the_engine_verifies_at_every_adaptive_width_once_compiled(held_compiles):
+    """By default an engine may verify at each of adaptive speculation's widths: the
+    widest is ready before serving, the narrower ones compile in the background, and a
+    policy whose costs make a middle width the best picks it once it is compiled (the
+    widest covers it until then), with AR's tokens either way."""
+    target, drafter = build(kind="dspine", block=BLOCK)
+    ar = AutoregressiveGenerator(target, eos_token_ids=[0])
+    prompts = PROMPTS[:3]
+    want = [g.tokens for g in generate_tokens(ar, prompts, max_new_tokens=12).generations]
+    engine = SpeculativeEngine(target, drafter, eos_token_ids=[0], steps_per_call=2,
+                               speculation=SpeculationConfig("adaptive"))
+    engine.policy.costs = CostTable()      # width 3 the best at any acceptance
+    for rows in (1, 4):
+        for width, ms in ((0, 100.0), (1, 100.0), (3, 1.0), (7, 100.0)):
+            engine.policy.costs.set(rows, width, ms)
+    core = EngineCore(engine, EngineConfig(max_slots=4, max_model_len=64))
+    assert core.scheduler.widths == (0, 1, 3, 7) == engine.widths
+    assert core.config.verify_widths == (0, 1, 3, 7)
+    core.warmup(modes=("greedy",))
+    ready = {t.key[1:] for t in core.program_timings if t.name == "decode"}
+    assert {width for _, _, width in ready} == {BLOCK - 1}
+    greedy = SamplingOptions(max_tokens=12, temperature=0.0)
+    got, widths = serve(core, [(p, greedy) for p in prompts])
+    assert got == want and widths == {BLOCK - 1}     # width 3 not compiled yet: the widest
+    held_compiles.set()
+    deadline = time.monotonic() + 300
+    while core.compiling:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    got, widths = serve(core, [(p, greedy) for p in prompts])
+    assert got == want and widths == {3}
     core.close()

@@ -71,8 +71,7 @@ def _positive(name: str, value, optional: bool = False) -> None:
 class EngineConfig:
     """The engine's choices. None: the default the engine resolves (max_model_len: the
     model's context; num_pages: a full max_model_len for every slot; max_waiting: no
-    limit; verify_widths: the two ends of adaptive speculation's set, or the whole set
-    for an offline run)."""
+    limit; verify_widths: adaptive speculation's whole set)."""
     max_slots: int = 8                        # requests decoded together (rows)
     max_model_len: int | None = None          # prompt + output positions per request
     num_pages: int | None = None              # KV pages the slots share

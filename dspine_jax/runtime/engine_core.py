@@ -97,14 +97,15 @@ class EngineCore:
 
     def __init__(self, decoder: BatchDecoder, config: EngineConfig = EngineConfig()):
         """config: slots, request length, page pool, prefill chunk, queue, and the widths
-        adaptive speculation chooses from (default: the two ends of its set, each a
-        program per row bucket and sampling mode for `warmup` to compile; offline runs
-        take the whole set). `self.config` is the resolved copy."""
+        adaptive speculation chooses from (default: its whole set; the widest is ready
+        before serving and the others compile in the background, `warmup`: a narrower
+        verify pays where passes are dear, many rows on a GPU, and needs its own
+        programs). `self.config` is the resolved copy."""
         policy = decoder.speculation_policy()
         if policy is None:
             widths = (decoder.default_width(),)
         elif config.verify_widths is None:
-            widths = (policy.widths[0], policy.widths[-1])
+            widths = policy.widths
         else:
             unknown = sorted(set(config.verify_widths) - set(policy.widths))
             if unknown:

@@ -57,10 +57,9 @@ def core_for(decoder: BatchDecoder, prompts: Sequence[Sequence[int]], max_new_to
     max_model_len = min(bucket(longest + max_new_tokens + decoder.extra_capacity), context)
     chunk = rows.bucket_up(min(max(longest, 1), DEFAULT_PREFILL_CHUNK),
                            rows.row_buckets(DEFAULT_PREFILL_CHUNK, minimum=16))
-    policy = decoder.speculation_policy()
     return EngineCore(decoder, EngineConfig(
         max_slots=min(max_slots, len(prompts)), max_model_len=max_model_len,
-        prefill_chunk=chunk, verify_widths=policy.widths if policy else None))
+        prefill_chunk=chunk))
 
 
 def stream_tokens(decoder: BatchDecoder, prompts: Sequence[Sequence[int]], *,
