@@ -98,7 +98,8 @@ def sample_vocabulary(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text * 20)
 
 
-def serve_once(args, tokenizer, vocab, port: int) -> dict:
+def serve_once(args, tokenizer, vocab, port: int, core=None, method: str = "dspine") -> dict:
+    """One server on `port` over `core` (default: the stand-in engine), one bench run."""
     import uvicorn
 
     from dspine_serve.app import create_app
@@ -106,9 +107,10 @@ def serve_once(args, tokenizer, vocab, port: int) -> dict:
     from dspine_serve.server import GIL_SWITCH_SECONDS
 
     sys.setswitchinterval(GIL_SWITCH_SECONDS)
-    core = WaitingEngine(args.max_slots, args.tokens_per_step, args.step_ms / 1e3, vocab)
+    if core is None:
+        core = WaitingEngine(args.max_slots, args.tokens_per_step, args.step_ms / 1e3, vocab)
     engine = EngineLoop(core, max_queue=4096)
-    app = create_app(engine, tokenizer, model_name="host-path", method="dspine")
+    app = create_app(engine, tokenizer, model_name="host-path", method=method)
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                             access_log=False, loop=args.loop, http=args.http)
     server = uvicorn.Server(config)
@@ -129,7 +131,9 @@ def serve_once(args, tokenizer, vocab, port: int) -> dict:
         thread.join(30)
     return {k: level[k] for k in ("output_throughput", "completed", "failed",
                                   "total_output_tokens", "duration_s", "median_itl_ms",
-                                  "mean_e2e_latency_ms")}
+                                  "mean_e2e_latency_ms", "median_ttft_ms",
+                                  "device_prefill_share", "device_decode_share",
+                                  "device_idle_share") if k in level}
 
 
 def main(argv=None):

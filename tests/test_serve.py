@@ -1089,3 +1089,62 @@ def test_serve_host_path_benchmark(tmp_path):
     assert run["completed"] == 4 and run["failed"] == 0 and run["total_output_tokens"] == 40
     assert report["device_ceiling_tokens_per_s"] == 2 * 3 / 1e-3
     assert json.loads((tmp_path / "h.json").read_text())["runs"] == report["runs"]
+
+
+def test_simulated_device_serves_exact_budgets_with_the_profile_acceptance():
+    """benchmarks/simulated_device.py: the real engine core over a device that only
+    waits gives every request exactly its max_tokens, frees every page, verifies at the
+    widths the policy picks, and accepts drafts at the given rate (alpha 0.6 over 15
+    drafts: 1 + sum 0.6^i = 2.5 tokens a whole-block pass)."""
+    from dspine_benchmarks.simulated_device import DeviceCosts, SimulatedDecoder
+    from dspine_jax.runtime.engine_core import EngineConfig, EngineCore, SamplingOptions
+    from dspine_jax.speculative.policy import SpeculationConfig, expected_tokens
+
+    costs = DeviceCosts({1: 0.05, 8: 0.1}, {1: 0.1, 8: 0.2}, (0.01, 0.01))
+    for alpha, speculation in ((None, "adaptive"), ([0.6], "fixed"), ([0.6], "adaptive")):
+        decoder = SimulatedDecoder(costs, num_slots=8, vocabulary=[5, 6, 7], alpha=alpha,
+                                   speculation=SpeculationConfig(speculation))
+        core = EngineCore(decoder, EngineConfig(max_slots=8, max_model_len=512))
+        core.warmup()
+        budgets = {f"r{i}": 40 + 7 * i for i in range(12)}
+        for rid, budget in budgets.items():
+            core.add_request(rid, [9] * (3 + 5 * int(rid[1:])),
+                             SamplingOptions(max_tokens=budget, ignore_eos=True))
+        got = {rid: 0 for rid in budgets}
+        lengths, widths = [], set()
+        while core.has_work():
+            for out in core.step():
+                got[out.request_id] += len(out.new_token_ids)
+                lengths += out.accept_lengths
+                widths.add(out.verify_width)
+                assert not out.finished or out.finish_reason == "length"
+        assert got == budgets
+        assert core.stats().free_pages == core.num_pages
+        if alpha is None:
+            assert set(lengths) == {1} and widths <= {0}
+        elif speculation == "fixed":
+            assert widths == {15} and max(lengths) <= 16
+            assert sum(lengths) / len(lengths) == pytest.approx(
+                expected_tokens([0.6] * 15, 15), rel=0.15)
+        else:
+            assert widths <= set(decoder.widths) and max(lengths) <= 16
+
+
+def test_serve_simulated_benchmark(tmp_path):
+    """benchmarks/serve_simulated.py: the AR and the drafter server over the simulated
+    device stream every request's max_tokens to the bench client, side by side."""
+    from dspine_benchmarks import serve_simulated
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"hello {i}", "chat": False}) + "\n"
+                               for i in range(4)))
+    report = serve_simulated.main([
+        "--concurrency", "2", "--max-slots", "2", "--num-prompts", "4", "--max-tokens", "10",
+        "--step-ms", "1:0.2", "--pass-ms", "1:0.4", "--prefill-ms", "0.1", "0.1",
+        "--repeats", "1", "--prompts", str(prompts), "--work", str(tmp_path / "work"),
+        "--out", str(tmp_path / "s.json")])
+    assert set(report["runs"]) == {"ar@2", "dspine@2"}
+    for (run,) in report["runs"].values():
+        assert run["completed"] == 4 and run["failed"] == 0 and run["total_output_tokens"] == 40
+    assert set(report["dspine_over_ar"]) == {2}
+    assert json.loads((tmp_path / "s.json").read_text())["runs"] == report["runs"]
