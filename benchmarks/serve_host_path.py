@@ -133,7 +133,7 @@ def serve_once(args, tokenizer, vocab, port: int, core=None, method: str = "dspi
                                   "total_output_tokens", "duration_s", "median_itl_ms",
                                   "mean_e2e_latency_ms", "median_ttft_ms",
                                   "device_prefill_share", "device_decode_share",
-                                  "device_idle_share") if k in level}
+                                  "device_idle_share", "passes_by_verify_width") if k in level}
 
 
 def main(argv=None):

@@ -12,8 +12,8 @@ order of calls, and it can be worked on without the accelerator.
 --step-ms and --pass-ms: a plain step's and a whole-block pass's device time by rows
 (rows:ms pairs, linear between); --prefill-ms BASE PER_1K: a prefill call's time, fixed
 plus per 1,000 padded tokens; --alpha: the chance each next draft is accepted (one value,
-or one per draft slot); --verify-widths: the widths the drafter's server may verify
-(default: adaptive speculation's whole set). Passes per call are the serving defaults (AR
+or one per draft slot). `dspine` verifies at any of adaptive speculation's widths (0, 1,
+3, 7, 15), `dspine-ends` at 0 or 15 only. Passes per call are the serving defaults (AR
 8, drafters 4, 16 alone). Prompts are the bench client's (held-out ShareGPT by default),
 tokenized by the built-in target's tokenizer; the "device" emits ordinary text.
 """
@@ -29,7 +29,8 @@ from pathlib import Path
 from dspine_benchmarks import serve_host_path
 from dspine_benchmarks.simulated_device import DeviceCosts, SimulatedDecoder, parse_curve
 
-METHODS = ("ar", "dspine")
+# dspine-ends: adaptive speculation choosing only between a plain step and the whole block
+METHODS = ("ar", "dspine", "dspine-ends")
 
 
 def build_core(args, method: str, vocab: list[int], seed: int):
@@ -44,7 +45,7 @@ def build_core(args, method: str, vocab: list[int], seed: int):
                                alpha=None if method == "ar" else args.alpha,
                                steps_per_call=alone, shared_steps_per_call=shared,
                                speculation=SpeculationConfig(args.speculation), seed=seed)
-    widths = tuple(args.verify_widths) if args.verify_widths and method != "ar" else None
+    widths = (0, costs.block_size - 1) if method == "dspine-ends" else None
     core = EngineCore(decoder, EngineConfig(max_slots=args.max_slots,
                                             max_model_len=args.max_model_len,
                                             verify_widths=widths))
@@ -54,7 +55,7 @@ def build_core(args, method: str, vocab: list[int], seed: int):
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--methods", nargs="+", default=["ar", "dspine"], choices=METHODS)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[64])
     ap.add_argument("--max-slots", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=2048)
@@ -66,8 +67,6 @@ def main(argv=None) -> dict:
                     metavar=("BASE", "PER_1K"))
     ap.add_argument("--alpha", type=float, nargs="+", default=[0.73])
     ap.add_argument("--speculation", default="adaptive", choices=["adaptive", "fixed"])
-    ap.add_argument("--verify-widths", type=int, nargs="+", default=None,
-                    help="the widths adaptive speculation may pick (default: its whole set)")
     ap.add_argument("--prompts", default="sharegpt:heldout")
     ap.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"])
     ap.add_argument("--http", default="auto", choices=["auto", "h11", "httptools"])
@@ -99,7 +98,7 @@ def main(argv=None) -> dict:
                 level = argparse.Namespace(**{**vars(args), "concurrency": concurrency})
                 core = build_core(args, method, vocab, seed=repeat)
                 run = serve_host_path.serve_once(level, tokenizer, vocab, free_port(),
-                                                 core=core, method=method)
+                                                 core=core, method=method.split("-")[0])
                 runs.setdefault(f"{method}@{concurrency}", []).append(run)
                 print(f"{method} c{concurrency} run {repeat + 1}: "
                       f"{run['output_throughput']:,.0f} tok/s", file=sys.stderr)
@@ -107,9 +106,10 @@ def main(argv=None) -> dict:
                for k, v in runs.items()}
     report = {"args": {k: v for k, v in vars(args).items() if k not in ("out", "work")},
               "runs": runs, "median_tokens_per_s": medians}
-    if "ar" in args.methods and "dspine" in args.methods:
-        report["dspine_over_ar"] = {c: round(medians[f"dspine@{c}"] / medians[f"ar@{c}"], 3)
-                                    for c in args.concurrency}
+    if "ar" in args.methods:
+        report["over_ar"] = {m: {c: round(medians[f"{m}@{c}"] / medians[f"ar@{c}"], 3)
+                                 for c in args.concurrency}
+                             for m in args.methods if m != "ar"}
     print(json.dumps(report, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))

@@ -156,9 +156,12 @@ async def _one(client, base_url: str, model: str | None, prompt: dict, *, max_to
 
 
 # what a level reads from /metrics before and after it (absent: nan)
+# the verify widths adaptive speculation picks from (the histogram's cumulative buckets)
+WIDTHS = (0, 1, 3, 7, 15)
 SCRAPED = {"accept_sum": "dspine_accept_length_sum", "accept_count": "dspine_accept_length_count",
            **{f"device_{c}": f'dspine_device_seconds_total{{call="{c}"}}'
-              for c in ("prefill", "decode", "idle")}}
+              for c in ("prefill", "decode", "idle")},
+           **{f"width_le_{w}": f'dspine_verify_width_bucket{{le="{float(w)}"}}' for w in WIDTHS}}
 
 
 async def _scrape(client, base_url: str) -> dict[str, float]:
@@ -242,6 +245,8 @@ def summarize(records: Sequence[RequestRecord], duration: float, *, concurrency:
     server = {k: math.nan for k in SCRAPED} | (server or {})
     accept_sum, accept_count = server["accept_sum"], server["accept_count"]
     device = {c: server[f"device_{c}"] for c in ("prefill", "decode", "idle")}
+    below = [server[f"width_le_{w}"] for w in WIDTHS]
+    by_width = {str(w): c - b for w, c, b in zip(WIDTHS, below, [0.0] + below[:-1])}
     return {
         "concurrency": concurrency,
         "request_rate": request_rate if math.isfinite(request_rate) else "inf",
@@ -269,6 +274,10 @@ def summarize(records: Sequence[RequestRecord], duration: float, *, concurrency:
         **{f"device_{c}_s": round(v, 4) for c, v in device.items()},
         **{f"device_{c}_share": round(v / duration, 4) if duration else math.nan
            for c, v in device.items()},
+        # row-passes by the drafts they verified (0: a plain step), from the server's
+        # histogram: what adaptive speculation picked at this level
+        "passes_by_verify_width": {w: int(n) for w, n in by_width.items()
+                                   if math.isfinite(n) and n > 0},
     }
 
 

@@ -36,7 +36,9 @@ def percentile(values: list[float], q: float) -> float:
 def test_summary_of_a_level():
     s = summarize(records(), 8.0, concurrency=4, request_rate=math.inf,
                   server={"accept_sum": 52.0, "accept_count": 20.0, "device_prefill": 0.4,
-                          "device_decode": 6.0, "device_idle": 1.2})
+                          "device_decode": 6.0, "device_idle": 1.2, "width_le_0": 2.0,
+                          "width_le_1": 2.0, "width_le_3": 5.0, "width_le_7": 5.0,
+                          "width_le_15": 20.0})
     assert (s["concurrency"], s["request_rate"], s["duration_s"]) == (4, "inf", 8.0)
     assert (s["completed"], s["failed"]) == (10, 2)
     assert s["errors"] == ["HTTP 429: busy", "timed out after 600s"]
@@ -60,6 +62,8 @@ def test_summary_of_a_level():
     assert (s["device_decode_s"], s["device_prefill_s"], s["device_idle_s"]) == (6.0, 0.4, 1.2)
     assert (s["device_decode_share"], s["device_prefill_share"],
             s["device_idle_share"]) == (0.75, 0.05, 0.15)
+    # the widths' cumulative buckets -> passes at each width that ran
+    assert s["passes_by_verify_width"] == {"0": 2, "3": 3, "15": 15}
 
 
 def test_a_level_with_no_finished_request_reports_no_figures():

@@ -785,6 +785,9 @@ def test_bench_serve_cli(served, tmp_path):
         assert level["total_output_tokens"] == 64 and level["output_throughput"] > 0
         assert level["accept_length"] >= 1 and level["accept_length_metrics"] >= 1
         assert level["median_ttft_ms"] > 0
+        # every pass after the first tokens, at the widths the server verified
+        passes = level["passes_by_verify_width"]
+        assert sum(passes.values()) == round((64 - 8) / level["accept_length"])
     assert (out / "results.png").stat().st_size > 0
     refused = CliRunner().invoke(app, ["bench", "serve", "--base-url", "http://10.1.2.3:80"])
     assert refused.exit_code == 2 and "loopback" in refused.output
@@ -1146,5 +1149,5 @@ def test_serve_simulated_benchmark(tmp_path):
     assert set(report["runs"]) == {"ar@2", "dspine@2"}
     for (run,) in report["runs"].values():
         assert run["completed"] == 4 and run["failed"] == 0 and run["total_output_tokens"] == 40
-    assert set(report["dspine_over_ar"]) == {2}
+    assert set(report["over_ar"]) == {"dspine"} and set(report["over_ar"]["dspine"]) == {2}
     assert json.loads((tmp_path / "s.json").read_text())["runs"] == report["runs"]
