@@ -114,6 +114,22 @@ def test_in_between_a_middle_width_wins():
     assert max(scores, key=scores.get) == 3
 
 
+def test_a_middle_width_tried_on_its_estimate_waits_for_its_time():
+    """Width 3's interpolated cost makes it look best: it is tried, then not again while
+    its time is still to come (steps are pipelined), then kept or dropped on its
+    measured cost."""
+    policy, stats = policy_with({0: 1.0, 15: 3.0}, alpha=0.6)
+    assert policy.costs.estimate(1, 3) == pytest.approx(1.4)
+    assert policy.choose(1, stats) == 3
+    assert [policy.choose(1, stats) for _ in range(3)] == [0] * 3     # 3's time not in
+    dear, _ = policy_with({0: 1.0, 15: 3.0}, alpha=0.6)
+    assert dear.choose(1, stats) == 3
+    dear.observe_call(1, 3, 16 * 2.9, 16)           # a draft costs nearly the whole block
+    assert 3 not in [dear.choose(1, stats) for _ in range(8)]
+    policy.observe_call(1, 3, 16 * 1.4, 16)         # as interpolated: kept
+    assert [policy.choose(1, stats) for _ in range(3)] == [3] * 3
+
+
 def run_calls(policy: SpeculationPolicy, true: dict[int, float], calls: int,
               widths: tuple[int, ...] | None = None) -> list[int]:
     """`calls` calls of 16 passes over one row, each timed at its width's `true` cost per
@@ -352,7 +368,8 @@ def test_serving_engine_follows_the_cost_table(cheap):
     for rows in (1, 2, 4):         # a table where `cheap` is far the faster width
         for width in (0, 7):
             engine.policy.costs.set(rows, width, 1.0 if width == cheap else 100.0)
-    core = EngineCore(engine, EngineConfig(max_slots=4, max_model_len=64))
+    core = EngineCore(engine, EngineConfig(max_slots=4, max_model_len=64,
+                                           verify_widths=(0, 7)))
     assert core.stats().verify_widths == (0, 7) and core.stats().speculation == "adaptive"
     got, widths = serve_all(core, PROMPTS[:4], max_tokens=16)
     assert got == want

@@ -310,8 +310,14 @@ class SpeculationPolicy:
         for end in (hi, lo):
             if end not in trusted:
                 return self._ran(rows, end, call)
+        # a width is tried on its interpolated cost one at a time, and not again until
+        # that call's time is in: times arrive a call or two late (steps are pipelined),
+        # and a wrong guess must cost one call, not every call until its time arrives
+        measured = self.costs.measured(rows)
+        guessing = any((rows, w) in self.last_run for w in widths if w not in measured)
         scores = {w: s for w, s in self.scores(rows, active or [self.pool]).items()
-                  if w in widths}
+                  if w in widths and (w in measured or not (guessing or
+                                                            (rows, w) in self.last_run))}
         width = self.pick(scores)
         # an end whose last call contradicted its cost is run again at once (a cost that
         # was measured wrong must not stick); else the end least recently run, to refresh
