@@ -128,6 +128,10 @@ def test_a_middle_width_tried_on_its_estimate_waits_for_its_time():
     assert 3 not in [dear.choose(1, stats) for _ in range(8)]
     policy.observe_call(1, 3, 16 * 1.4, 16)         # as interpolated: kept
     assert [policy.choose(1, stats) for _ in range(3)] == [3] * 3
+    untimed, _ = policy_with({0: 1.0, 15: 3.0}, alpha=0.6)
+    assert untimed.choose(1, stats) == 3 and untimed.choose(1, stats) == 0
+    untimed.not_timed()                 # that call's time will not come: guess again
+    assert untimed.choose(1, stats) == 3
 
 
 def run_calls(policy: SpeculationPolicy, true: dict[int, float], calls: int,
@@ -375,6 +379,48 @@ def test_serving_engine_follows_the_cost_table(cheap):
     assert got == want
     used = {w for ws in widths.values() for w in ws}
     assert used == {cheap}
+
+
+def test_a_programs_first_run_is_not_a_cost_sample(monkeypatch):
+    """A program's first run pays one-time device setup: the engine does not time it, so
+    a call shape run once teaches the policy nothing, and every later run can."""
+    from dspine_jax.runtime.engine_core import EngineConfig, EngineCore
+    from dspine_jax.runtime.runner import Runner
+
+    target, drafter = build(kind="dspine", block=8)
+    engine = SpeculativeEngine(target, drafter, eos_token_ids=[0], steps_per_call=2,
+                               speculation=SpeculationConfig("adaptive"))
+    engine.policy.costs = CostTable()
+    runs, observed = [], []
+    submit, observe = Runner.submit, engine.policy.observe_call
+
+    def recording_submit(self, call):
+        future = submit(self, call)
+        if call.decode:
+            runs.append((len(call.requests), call.width, call.first_run))
+        return future
+
+    def recording_observe(rows, width, seconds, passes):
+        observed.append((rows, width))
+        return observe(rows, width, seconds, passes)
+
+    monkeypatch.setattr(Runner, "submit", recording_submit)
+    monkeypatch.setattr(engine.policy, "observe_call", recording_observe)
+    core = EngineCore(engine, EngineConfig(max_slots=4, max_model_len=64))
+    core.warmup(modes=("greedy",))        # every program compiled before it first runs
+    core.background_compile.result(300)
+    while core.compiling:
+        time.sleep(0.01)
+    runs.clear()
+    serve_all(core, PROMPTS[:4], max_tokens=16)
+    serve_all(core, PROMPTS[4:8], max_tokens=16)
+    assert any(first for _, _, first in runs) and observed
+    for key in set(observed):
+        later = sum(1 for r, w, first in runs if (r, w) == key and not first)
+        assert observed.count(key) <= later, key
+    once = {(r, w) for r, w, _ in runs if sum((r, w) == (a, b) for a, b, _ in runs) == 1}
+    assert not once & set(observed)
+    core.close()
 
 
 def test_serving_warmup_teaches_the_policy_nothing():

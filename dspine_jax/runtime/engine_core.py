@@ -260,11 +260,15 @@ class EngineCore:
             call.news = self._runner.submit(call)
         timed = None
         # the decode call's device time (each call's is measured alone); a call timed
-        # while programs compile beside it would teach the policy their cost
+        # while programs compile beside it would teach the policy their cost, and a
+        # program's first run its one-time setup (a width first run in the background
+        # measured 3x its cost, and the policy never tried it again)
         decode = calls[-1]
         if self.scheduler.learning and self._policy is not None and decode.decode \
-                and not self.compiling:
+                and not self.compiling and not decode.first_run:
             timed = decode
+        elif self._policy is not None and decode.decode:
+            self._policy.not_timed()
         self._queued.append(_Step(calls, compiles, timed))
         return outputs, True
 
@@ -289,6 +293,8 @@ class EngineCore:
         if timed is not None and step.compiles == self._runner.steps.compiles:
             self._timings.append((len(timed.requests), timed.width, passes,
                                   timed.device_seconds))
+        elif timed is not None:             # a program compiled meanwhile: not a sample
+            self._policy.not_timed()
         # the device times the timer thread has measured by now (none is waited for)
         while self._timings and self._timings[0][-1].done():
             rows, width, passes, seconds = self._timings.popleft()

@@ -68,6 +68,7 @@ class Runner:
         # a decode call's pass count, by value: uploaded once, not per call
         self._passes = {n: jnp.int32(n) for n in
                         {decoder.steps_per_call, decoder.shared_steps_per_call, 1}}
+        self._ran: set[tuple] = set()    # (name, key) of every program run so far
         self._thread = concurrent.futures.ThreadPoolExecutor(1, "dspine-runner")
         self._timer = concurrent.futures.ThreadPoolExecutor(1, "dspine-device-timer")
         self._device_free = 0.0     # when the device finished the last timed call
@@ -92,8 +93,11 @@ class Runner:
         self.cover(call)
         name, matrix, static = self._program(call)
         inputs = (self._passes[call.passes],) if call.decode else ()
-        return self._thread.submit(self._run, call, name, self._key(call, static),
-                                   self._page_table(), jnp.asarray(matrix), inputs, static)
+        key = self._key(call, static)
+        call.first_run = (name, key) not in self._ran
+        self._ran.add((name, key))
+        return self._thread.submit(self._run, call, name, key, self._page_table(),
+                                   jnp.asarray(matrix), inputs, static)
 
     def read(self, futures: Sequence[concurrent.futures.Future]) -> list[np.ndarray]:
         """The news of queued calls, in one device-to-host transfer."""

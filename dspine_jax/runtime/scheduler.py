@@ -125,6 +125,8 @@ class Call:
     device_seconds: object = None
     # queued behind a call still in flight: the device's wait before it is the host's
     pipelined: bool = False
+    # its program's first run in this process (one-time device setup: not a cost sample)
+    first_run: bool = False
 
     @property
     def decode(self) -> bool:

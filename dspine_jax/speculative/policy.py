@@ -259,6 +259,8 @@ class SpeculationPolicy:
         # at most `min_samples` times in a row, until the median follows or the call agrees
         self.recheck: dict[tuple[int, int], int] = {}
         self.loaded: set[tuple[int, int]] = set()     # (rows, width) costs read from a file
+        # (rows, width) run once on an interpolated cost, its time not in yet
+        self.pending: set[tuple[int, int]] = set()
 
     def new_row(self) -> AcceptanceStats:
         return AcceptanceStats(self.slots, prior=self.pool.alpha(), prior_weight=4.0)
@@ -268,6 +270,7 @@ class SpeculationPolicy:
         self.pool.observe(width, accepted)
 
     def observe_call(self, rows: int, width: int, seconds: float, passes: int) -> None:
+        self.pending.discard((rows, width))
         if passes <= 0 or seconds <= 0:
             return
         key = (rows, width)
@@ -276,6 +279,11 @@ class SpeculationPolicy:
         else:
             self.recheck.pop(key, None)
         self.costs.observe(rows, width, seconds / passes)
+
+    def not_timed(self) -> None:
+        """A decode call will not be timed (its program's first run, programs compiling
+        beside it): a width guessed for it may be guessed again."""
+        self.pending.clear()
 
     def scores(self, rows: int, active: list[AcceptanceStats]) -> dict[int, float]:
         """Expected tokens per second of each width for these rows (None where unknown)."""
@@ -314,10 +322,9 @@ class SpeculationPolicy:
         # that call's time is in: times arrive a call or two late (steps are pipelined),
         # and a wrong guess must cost one call, not every call until its time arrives
         measured = self.costs.measured(rows)
-        guessing = any((rows, w) in self.last_run for w in widths if w not in measured)
+        guessing = any(r == rows for r, _ in self.pending)
         scores = {w: s for w, s in self.scores(rows, active or [self.pool]).items()
-                  if w in widths and (w in measured or not (guessing or
-                                                            (rows, w) in self.last_run))}
+                  if w in widths and (w in measured or not guessing)}
         width = self.pick(scores)
         # an end whose last call contradicted its cost is run again at once (a cost that
         # was measured wrong must not stick); else the end least recently run, to refresh
@@ -340,6 +347,8 @@ class SpeculationPolicy:
                         max(self.probe_every, math.ceil(loss / self.probe_budget)))
             if call - self.last_run.get((rows, end), -1) >= every:
                 width = end
+        if width not in measured:
+            self.pending.add((rows, width))
         return self._ran(rows, width, call)
 
     # ----- kept between processes ----------------------------------------------------------
