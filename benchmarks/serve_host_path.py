@@ -98,6 +98,24 @@ def sample_vocabulary(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text * 20)
 
 
+def builtin_text():
+    """The built-in target's tokenizer and the ordinary text a stand-in device emits."""
+    from dspine_jax.checkpoints.gguf_file import GGUFCheckpoint
+    from dspine_jax.registry import resolve_target
+    from dspine_jax.tokenizer import TextTokenizer
+
+    tokenizer = TextTokenizer.from_gguf(GGUFCheckpoint(resolve_target("smollm2-135m-instruct")))
+    return tokenizer, sample_vocabulary(tokenizer, "The quick brown fox jumps over the lazy dog. ")
+
+
+def write_report(report: dict, out: str | None) -> dict:
+    """Print the report as JSON, and write it to `out` if given."""
+    print(json.dumps(report, indent=1))
+    if out:
+        Path(out).write_text(json.dumps(report, indent=1))
+    return report
+
+
 def serve_once(args, tokenizer, vocab, port: int, core=None, method: str = "dspine") -> dict:
     """One server on `port` over `core` (default: the stand-in engine), one bench run."""
     import uvicorn
@@ -155,22 +173,15 @@ def main(argv=None):
            args.tokens_per_step, args.repeats) < 1 or args.step_ms < 0:
         ap.error("counts must be >= 1 and --step-ms >= 0")
     from dspine_benchmarks.train_scaling import free_port
-    from dspine_jax.checkpoints.gguf_file import GGUFCheckpoint
-    from dspine_jax.registry import resolve_target
-    from dspine_jax.tokenizer import TextTokenizer
 
-    tokenizer = TextTokenizer.from_gguf(GGUFCheckpoint(resolve_target("smollm2-135m-instruct")))
-    vocab = sample_vocabulary(tokenizer, "The quick brown fox jumps over the lazy dog. ")
+    tokenizer, vocab = builtin_text()
     runs = [serve_once(args, tokenizer, vocab, free_port()) for _ in range(args.repeats)]
     ceiling = args.max_slots * args.tokens_per_step / (args.step_ms / 1e3) \
         if args.step_ms else None
     report = {"args": {k: v for k, v in vars(args).items() if k not in ("out", "work")},
               "device_ceiling_tokens_per_s": ceiling, "runs": runs,
               "median_tokens_per_s": statistics.median(r["output_throughput"] for r in runs)}
-    print(json.dumps(report, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1))
-    return report
+    return write_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -21,10 +21,8 @@ tokenized by the built-in target's tokenizer; the "device" emits ordinary text.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-from pathlib import Path
 
 from dspine_benchmarks import serve_host_path
 from dspine_benchmarks.simulated_device import DeviceCosts, SimulatedDecoder, parse_curve
@@ -84,13 +82,8 @@ def main(argv=None) -> dict:
     except ValueError as e:
         ap.error(str(e))
     from dspine_benchmarks.train_scaling import free_port
-    from dspine_jax.checkpoints.gguf_file import GGUFCheckpoint
-    from dspine_jax.registry import resolve_target
-    from dspine_jax.tokenizer import TextTokenizer
 
-    tokenizer = TextTokenizer.from_gguf(GGUFCheckpoint(resolve_target("smollm2-135m-instruct")))
-    vocab = serve_host_path.sample_vocabulary(tokenizer,
-                                              "The quick brown fox jumps over the lazy dog. ")
+    tokenizer, vocab = serve_host_path.builtin_text()
     runs: dict[str, list[dict]] = {}
     for repeat in range(args.repeats):     # the methods alternate: drift hits both alike
         for concurrency in args.concurrency:
@@ -110,10 +103,7 @@ def main(argv=None) -> dict:
         report["over_ar"] = {m: {c: round(medians[f"{m}@{c}"] / medians[f"ar@{c}"], 3)
                                  for c in args.concurrency}
                              for m in args.methods if m != "ar"}
-    print(json.dumps(report, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1))
-    return report
+    return serve_host_path.write_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,30 @@ def serve(core, requests):
     return [tokens[str(i)] for i in range(len(requests))], set().union(*widths.values())
 
 
+def adaptive_engine(costs: dict[int, float]):
+    """An adaptive DSpine engine whose cost table at 1 and 4 rows is `costs` (ms per
+    pass by width), three prompts, and AR's 12 tokens for each."""
+    target, drafter = build(kind="dspine", block=BLOCK)
+    ar = AutoregressiveGenerator(target, eos_token_ids=[0])
+    prompts = PROMPTS[:3]
+    want = [g.tokens for g in generate_tokens(ar, prompts, max_new_tokens=12).generations]
+    engine = SpeculativeEngine(target, drafter, eos_token_ids=[0], steps_per_call=2,
+                               speculation=SpeculationConfig("adaptive"))
+    engine.policy.costs = CostTable()
+    for rows in (1, 4):
+        for width, ms in costs.items():
+            engine.policy.costs.set(rows, width, ms)
+    return engine, prompts, want
+
+
+def wait_compiled(core, seconds: float = 300) -> None:
+    """Until no program compiles in the background (at most `seconds`)."""
+    deadline = time.monotonic() + seconds
+    while core.compiling:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
 @pytest.fixture
 def held_compiles(monkeypatch):
     """Background compiles wait until the returned Event is set."""
@@ -52,16 +76,8 @@ def held_compiles(monkeypatch):
 
 
 def test_requests_run_on_the_first_programs_while_the_rest_compile(held_compiles):
-    target, drafter = build(kind="dspine", block=BLOCK)
-    ar = AutoregressiveGenerator(target, eos_token_ids=[0])
-    prompts = PROMPTS[:3]
-    want = [g.tokens for g in generate_tokens(ar, prompts, max_new_tokens=12).generations]
-    engine = SpeculativeEngine(target, drafter, eos_token_ids=[0], steps_per_call=2,
-                               speculation=SpeculationConfig("adaptive"))
-    engine.policy.costs = CostTable()      # a plain step (width 0) far the cheaper
-    for rows in (1, 4):
-        for width in (0, BLOCK - 1):
-            engine.policy.costs.set(rows, width, 1.0 if width == 0 else 100.0)
+    # a plain step (width 0) far the cheaper
+    engine, prompts, want = adaptive_engine({0: 1.0, BLOCK - 1: 100.0})
     core = EngineCore(engine, EngineConfig(max_slots=4, max_model_len=64,
                                            verify_widths=(0, BLOCK - 1)))
     s = core.scheduler
@@ -92,10 +108,7 @@ def test_requests_run_on_the_first_programs_while_the_rest_compile(held_compiles
     assert steps.compiles == first, "a call compiled in the engine's thread"
 
     held_compiles.set()
-    deadline = time.monotonic() + 300
-    while core.compiling:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_compiled(core)
     assert steps.compiles == first + 9
     got, widths = serve(core, [(p, greedy) for p in prompts])
     assert got == want and widths == {0}          # the policy's choice, compiled now
@@ -117,10 +130,7 @@ def test_warmup_with_a_restricted_set_of_modes_compiles_only_those():
     assert s.row_sizes == [1, 2] and s.chunk_sizes == [16, 64] and len(s.widths) == 1
     core.warmup(modes=("greedy",))
     steps = slot_steps.compiled(engine)
-    deadline = time.monotonic() + 300
-    while core.compiling:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_compiled(core)
     modes = {key[2] for (name, key) in steps._executables if name == "decode"}
     assert modes == {"greedy"}
     # decode at rows 1, 2; prefill (1, 16), (1, 64), (2, 64), then (2, 16) later
@@ -133,16 +143,8 @@ def test_the_engine_verifies_at_every_adaptive_width_once_compiled(held_compiles
     widest is ready before serving, the narrower ones compile in the background, and a
     policy whose costs make a middle width the best picks it once it is compiled (the
     widest covers it until then), with AR's tokens either way."""
-    target, drafter = build(kind="dspine", block=BLOCK)
-    ar = AutoregressiveGenerator(target, eos_token_ids=[0])
-    prompts = PROMPTS[:3]
-    want = [g.tokens for g in generate_tokens(ar, prompts, max_new_tokens=12).generations]
-    engine = SpeculativeEngine(target, drafter, eos_token_ids=[0], steps_per_call=2,
-                               speculation=SpeculationConfig("adaptive"))
-    engine.policy.costs = CostTable()      # width 3 the best at any acceptance
-    for rows in (1, 4):
-        for width, ms in ((0, 100.0), (1, 100.0), (3, 1.0), (7, 100.0)):
-            engine.policy.costs.set(rows, width, ms)
+    # width 3 the best at any acceptance
+    engine, prompts, want = adaptive_engine({0: 100.0, 1: 100.0, 3: 1.0, 7: 100.0})
     core = EngineCore(engine, EngineConfig(max_slots=4, max_model_len=64))
     assert core.scheduler.widths == (0, 1, 3, 7) == engine.widths
     assert core.config.verify_widths == (0, 1, 3, 7)
@@ -153,10 +155,7 @@ def test_the_engine_verifies_at_every_adaptive_width_once_compiled(held_compiles
     got, widths = serve(core, [(p, greedy) for p in prompts])
     assert got == want and widths == {BLOCK - 1}     # width 3 not compiled yet: the widest
     held_compiles.set()
-    deadline = time.monotonic() + 300
-    while core.compiling:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_compiled(core)
     got, widths = serve(core, [(p, greedy) for p in prompts])
     assert got == want and widths == {3}
     core.close()
