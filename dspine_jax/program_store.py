@@ -40,6 +40,33 @@ import jax
 log = logging.getLogger(__name__)
 
 FORMAT = 1
+
+
+class _CacheHits(threading.local):
+    """Whether the compile running in this thread was a hit in JAX's persistent cache
+    (JAX records the event in the compiling thread)."""
+    hit = False
+
+
+_cache_hits = _CacheHits()
+
+
+def _on_event(event: str, **_) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _cache_hits.hit = True
+
+
+jax.monitoring.register_event_listener(_on_event)
+
+
+def compile_fresh(lowered):
+    """`lowered.compile()`, and whether the store may keep the result: not where it was
+    read from JAX's persistent cache. Such an executable runs in the process that read it
+    but, serialized again, not in the next one on XLA:CPU (a fused function of it is not
+    found); a program compiled here is kept."""
+    _cache_hits.hit = False
+    executable = lowered.compile()
+    return executable, not _cache_hits.hit
 SUFFIX = ".program"
 # the packages whose code a program's trace runs
 TRACED_PACKAGES = ("dspine_jax", "pallas_kernels")

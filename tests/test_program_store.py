@@ -142,3 +142,45 @@ def test_the_store_drops_its_least_recently_used_entries_past_its_size(tmp_path)
     assert list(tmp_path.glob("*.tmp")) == []
     loaded = store.load("c")
     assert jnp.array_equal(loaded(jnp.arange(4.0)), jnp.arange(4.0) * 2 + 1)
+
+
+STORED_RUN = """
+import json, sys
+from dspine_jax import compile_cache
+compile_cache.use_compile_cache(sys.argv[1])
+from dspine_jax.engine import SpeculativeEngine
+from tests.test_engine import build
+from tests.test_program_store import run
+target, drafter = build(kind="dspine")
+tokens, steps = run(SpeculativeEngine(target, drafter, eos_token_ids=[0]))
+print(json.dumps({"tokens": tokens, "loaded": steps.loaded, "compiles": steps.compiles}))
+"""
+
+
+def test_a_program_stored_after_a_compile_cache_hit_runs_in_the_next_process(tmp_path):
+    """JAX's persistent cache holds the programs but the store does not (its entries were
+    dropped, or the code changed): an executable read from JAX's cache is not stored (one
+    serialized again failed in the next process: a fused function not found), so the
+    next process runs what the store holds and reads the rest from JAX's cache, with the
+    first run's tokens."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    def process() -> dict:
+        done = subprocess.run([sys.executable, "-c", STORED_RUN, str(tmp_path)],
+                              capture_output=True, text=True, timeout=600,
+                              cwd=os.path.dirname(os.path.dirname(__file__)))
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    first = process()
+    assert first["loaded"] == 0
+    shutil.rmtree(tmp_path / "programs")
+    second = process()                    # JAX's cache has them, the store does not
+    assert second["loaded"] == 0 and second["tokens"] == first["tokens"]
+    kept = len(list((tmp_path / "programs").glob(f"*{SUFFIX}")))
+    assert kept < second["compiles"]      # those read from JAX's cache were not kept
+    third = process()
+    assert third["loaded"] == kept and third["tokens"] == first["tokens"]

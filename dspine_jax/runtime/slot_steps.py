@@ -49,7 +49,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from dspine_jax import compile_cache
+from dspine_jax import compile_cache, program_store
 from dspine_jax.decoding import BatchDecoder, DecodeState, request_keys
 from dspine_jax.runtime.rows import (BOOL_FIELDS, DECODE_FIELDS, FLOAT32_FIELDS, PREFILL_FIELDS,
                                      UINT32_FIELDS)
@@ -197,8 +197,8 @@ class CompiledSteps:
             with self.switches.active():     # in this thread: a compile worker's too
                 lowered = self._jit[name].lower(*args, mode=mode, **static)
                 traced = time.perf_counter()
-                executable = lowered.compile()
-            if store is not None:
+                executable, fresh = program_store.compile_fresh(lowered)
+            if store is not None and fresh:
                 store.save(stored, executable)
         ended = time.perf_counter()
         timing = ProgramTiming(name, key, traced - started, ended - traced, loaded)
