@@ -174,6 +174,7 @@ class BatchDecoder:
         self.attention = select_backend(attention_backend, self.attention_configs(target),
                                         dtype=target.dtype, page_size=page_size)
         self.layer_kernels = select_layer_kernels(layer_kernels, target.config)
+        target.fuse_projections()    # in place: one GEMM for q/k/v and one for gate/up
         self.target_graph, self.target_params = nnx.split(target)
         self.eos = jnp.asarray(list(eos_token_ids) or [-1], jnp.int32)
         self.steps_per_call = steps_per_call

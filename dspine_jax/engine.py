@@ -74,6 +74,7 @@ class SpeculativeEngine(BatchDecoder):
         self.block_size = drafter.config.block_size
         self.extra_capacity = self.block_size  # verify writes a whole block past the anchor
         self.layer_ids = tuple(drafter.config.target_layer_ids)
+        drafter.fuse_projections()   # in place, as the target's (BatchDecoder)
         self.drafter_graph, self.drafter_params = nnx.split(drafter)
         self.speculation = speculation
         self.widths = speculation.widths(self.block_size)

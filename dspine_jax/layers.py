@@ -10,6 +10,7 @@ Shape legend:
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +59,31 @@ class Linear(nnx.Module):
         return y if self.bias is None else y + self.bias[...]
 
 
+def stacked_linear(*parts: Linear) -> Linear:
+    """One Linear whose output is the parts' outputs side by side: their [out, in] weights
+    (and biases) stacked along out. No weights are initialised on the way."""
+    in_features = parts[0].weight.shape[1]
+    bias = parts[0].bias is not None
+    out = sum(p.weight.shape[0] for p in parts)
+    stacked = nnx.eval_shape(lambda: Linear(in_features, out, bias=bias, rngs=nnx.Rngs(0)))
+    stacked.weight = nnx.Param(_stack([p.weight.get_value() for p in parts]))
+    if bias:
+        stacked.bias = nnx.Param(_stack([p.bias.get_value() for p in parts]))
+    return stacked
+
+
+def _stack(arrays: list) -> jax.Array | jax.ShapeDtypeStruct:
+    """Concatenated along the first axis; abstract (shapes only) where the parts are."""
+    if any(isinstance(a, jax.ShapeDtypeStruct) for a in arrays):
+        return jax.eval_shape(lambda *a: jnp.concatenate(a), *arrays)
+    return jnp.concatenate(arrays)
+
+
+def split_outputs(y: jax.Array, sizes: tuple[int, ...]) -> list[jax.Array]:
+    """A stacked Linear's output [..., sum(sizes)] -> its parts' outputs."""
+    return jnp.split(y, list(itertools.accumulate(sizes))[:-1], axis=-1)
+
+
 class Embedding(nnx.Module):
     def __init__(self, vocab_size: int, dim: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.weight = nnx.Param(_init(rngs, (vocab_size, dim), dtype))
@@ -88,8 +114,30 @@ class MLP(nnx.Module):
         self.up_proj = Linear(dim, hidden, bias=bias, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(hidden, dim, bias=bias, dtype=dtype, rngs=rngs)
 
+    @property
+    def fused(self) -> bool:
+        return hasattr(self, "gate_up_proj")
+
+    def fuse_projections(self) -> None:
+        """For inference: gate_proj and up_proj become one gate_up_proj (rows stacked),
+        one GEMM where there were two. Left apart, XLA's dot merger may stack the two
+        weights into a new buffer on every call instead."""
+        if not self.fused:
+            self.gate_up_proj = stacked_linear(self.gate_proj, self.up_proj)
+            del self.gate_proj, self.up_proj
+
+    def gate_up_weights(self) -> tuple[jax.Array, jax.Array]:
+        """The gate and up weights [F, D], fused or not."""
+        if self.fused:
+            return tuple(jnp.split(self.gate_up_proj.weight[...], 2))
+        return self.gate_proj.weight[...], self.up_proj.weight[...]
+
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.fused:
+            gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(jax.nn.silu(gate) * up)
 
 
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array,

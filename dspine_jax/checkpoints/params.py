@@ -10,7 +10,7 @@ from flax import nnx
 
 from dspine_jax.config import TargetConfig
 from dspine_jax.errors import CheckpointError
-from dspine_jax.target import TargetModel
+from dspine_jax.target import TargetModel, unfused_tensors
 
 # Buffers some exporters write that carry no learned state.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -72,7 +72,8 @@ def materialise(factory, tensors: TensorSource, *, name_of, dtype, source: str,
 def export_tensors(model: TargetModel) -> dict[str, np.ndarray]:
     """The model's parameters under HF names (numpy, their stored dtype)."""
     flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
-    return {hf_name(path): np.asarray(var[...]) for path, var in flat}
+    return unfused_tensors({hf_name(path): np.asarray(var[...]) for path, var in flat},
+                           model.config)
 
 
 def _preview(names: list[str], limit: int = 6) -> str:

@@ -34,6 +34,7 @@ from dspine_jax.checkpoints.params import materialise
 from dspine_jax.drafters.config import DrafterConfig
 from dspine_jax.drafters.model import BlockDrafter
 from dspine_jax.errors import CheckpointError
+from dspine_jax.target import unfused_tensors
 
 
 def tensor_name(path: tuple) -> str:
@@ -49,7 +50,7 @@ def drafter_tensors(drafter: BlockDrafter, dtype=None) -> dict[str, np.ndarray]:
         value = var[...]
         cast = dtype is not None and isinstance(var, nnx.Param)
         out[tensor_name(path)] = np.asarray(value.astype(dtype) if cast else value)
-    return out
+    return unfused_tensors(out, drafter.config.layer_config())
 
 
 # The PyTorch modules an export ships for `trust_remote_code=True` (package dspine_torch).

@@ -72,8 +72,7 @@ class DrafterLayer(DecoderLayer):
         [B, S, K, H], keys are [context ; block] under metadata.dense_mask [B, Q, S + Q].
         -> (x, ctx after the write)."""
         h = self.input_layernorm(x)
-        q = self.self_attn.project_q(h, metadata.positions)
-        k, v = self.self_attn.project_kv(h, metadata.positions)
+        q, k, v = self.self_attn.project(h, metadata.positions)
         if metadata.is_paged:
             out, ctx = attention(q, k, v, metadata, ctx)
         else:
@@ -118,6 +117,13 @@ class BlockDrafter(nnx.Module):
                 self.transfer_mean = TransferBasis(jnp.zeros((d,)))
                 if transfer is not None:
                     self.set_transfer_space(transfer)
+
+    def fuse_projections(self) -> None:
+        """Prepare for inference, in place: every layer's q/k/v and gate/up projections as
+        one GEMM each (`DecoderLayer.fuse_projections`). `save_drafter` needs the
+        unfused form."""
+        for layer in self.layers:
+            layer.fuse_projections()
 
     def set_transfer_space(self, space: TransferSpace) -> None:
         """Install the whitening map and initialise every readout R_l to D^T."""

@@ -1,0 +1,103 @@
+"""Fused projections (`fuse_projections`): q/k/v and gate/up as one GEMM each, what every
+decoder runs. The fused model must compute the unfused one's function of the same
+weights, save and export the same tensors under the same names, and leave XLA no weights
+to concatenate: one dot per layer where there were three (q, k, v) and two (gate, up)."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dspine_jax.checkpoints.params import export_tensors
+from dspine_jax.drafters.checkpoint import drafter_tensors, load_drafter, save_drafter
+from dspine_jax.engine import SpeculativeEngine
+from dspine_jax.generate import AutoregressiveGenerator
+from dspine_jax.target import TargetModel
+from tests.test_drafters import TARGET, TOKENS, features, make
+
+
+def fresh_target(seed: int = 0) -> TargetModel:
+    return TargetModel(TARGET, rngs=nnx.Rngs(seed))
+
+
+def dots_per_forward(model: TargetModel) -> int:
+    """dot_general ops in the lowered (not yet optimised) forward of a [2, 6] batch."""
+    graph, state = nnx.split(model)
+    text = jax.jit(lambda s, t: nnx.merge(graph, s)(t).logits).lower(
+        state, TOKENS[:, :6]).as_text()
+    return len(re.findall(r"stablehlo\.dot_general", text))
+
+
+def test_fused_target_computes_the_same_function_with_fewer_dots():
+    unfused, fused = fresh_target(), fresh_target()
+    fused.fuse_projections()
+    assert not hasattr(fused.layers[0].self_attn, "q_proj")
+    assert fused.layers[0].self_attn.qkv_proj.weight.shape == (
+        (TARGET.num_attention_heads + 2 * TARGET.num_key_value_heads) * TARGET.head_dim,
+        TARGET.hidden_size)
+    a = unfused(TOKENS, hidden_layer_ids=(1, 3))
+    b = fused(TOKENS, hidden_layer_ids=(1, 3))
+    np.testing.assert_allclose(b.logits, a.logits, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(b.hidden_states, a.hidden_states, rtol=0, atol=1e-6)
+    # q, k, v -> one; gate, up -> one: 3 fewer dots per layer, attention's two unchanged
+    assert dots_per_forward(unfused) - dots_per_forward(fused) == 3 * TARGET.num_hidden_layers
+
+
+def test_fused_target_exports_the_unfused_tensors():
+    unfused, fused = fresh_target(), fresh_target()
+    fused.fuse_projections()
+    fused.fuse_projections()          # idempotent
+    want, got = export_tensors(unfused), export_tensors(fused)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspine"])
+def test_fused_drafter_drafts_the_same_block_and_saves_the_same_tensors(tmp_path, kind):
+    target = fresh_target()
+    unfused, fused = make(target, kind), make(target, kind)
+    fused.fuse_projections()
+    feats = features(target, unfused, TOKENS)
+    lengths = jnp.asarray([9, 13])
+    anchors = TOKENS[jnp.arange(2), lengths]
+    e_in, e_out = target.input_embedding(), target.output_embedding()
+    blocks = []
+    for drafter in (unfused, fused):
+        # extend_context runs project_kv alone (the k/v rows of the fused weight)
+        ctx = drafter.extend_context(drafter.create_context(2, 32), feats, lengths)
+        blocks.append(drafter.draft_block(anchors, ctx, e_in, e_out))
+    np.testing.assert_allclose(blocks[1].logits, blocks[0].logits, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(blocks[1].context.k_pages[1], blocks[0].context.k_pages[1],
+                               rtol=0, atol=1e-6)
+    # training's forward runs the fused layers too
+    np.testing.assert_allclose(
+        fused.forward_train(TOKENS, feats, jnp.asarray([[2, 9], [0, 6]]), e_in, e_out).logits,
+        unfused.forward_train(TOKENS, feats, jnp.asarray([[2, 9], [0, 6]]), e_in, e_out).logits,
+        rtol=0, atol=1e-6)
+    want, got = drafter_tensors(unfused), drafter_tensors(fused)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    save_drafter(fused, tmp_path)
+    reloaded = load_drafter(tmp_path, dtype=jnp.float32)
+    for name, value in drafter_tensors(reloaded).items():
+        np.testing.assert_array_equal(value, want[name], err_msg=name)
+
+
+def test_decoders_fuse_the_models_they_run():
+    target = fresh_target()
+    drafter = make(target, "dspine")
+    AutoregressiveGenerator(target)
+    assert target.layers[0].self_attn.fused and target.layers[0].mlp.fused
+    assert not drafter.layers[0].self_attn.fused
+    engine = SpeculativeEngine(target, drafter)
+    assert drafter.layers[0].self_attn.fused and drafter.layers[0].mlp.fused
+    names = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(engine.drafter_params)}
+    assert "layers.0.self_attn.qkv_proj.weight" in names
+    assert not any(n.endswith(("q_proj.weight", "gate_proj.weight")) for n in names)
