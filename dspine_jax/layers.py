@@ -1,6 +1,7 @@
 """Decoder building blocks shared by the target models and the drafters.
 
-Parameters keep HF's names and layouts ([out, in] weights), so checkpoints map one to one.
+Parameters keep HF's names and layouts ([out, in] weights), so checkpoints map one to one;
+a decoder fuses q/k/v and gate/up into one weight each (`stacked_linear`) for inference.
 
 Shape legend:
   B batch, T query length, S key length, D hidden, N query heads, K kv heads,
