@@ -80,9 +80,12 @@ def _stack(arrays: list) -> jax.Array | jax.ShapeDtypeStruct:
     return jnp.concatenate(arrays)
 
 
-def split_outputs(y: jax.Array, sizes: tuple[int, ...]) -> list[jax.Array]:
-    """A stacked Linear's output [..., sum(sizes)] -> its parts' outputs."""
-    return jnp.split(y, list(itertools.accumulate(sizes))[:-1], axis=-1)
+def split_sizes(x, sizes: tuple[int, ...], axis: int = -1) -> list:
+    """x's parts of these sizes along `axis`: a stacked Linear's outputs (the last axis) or
+    its weight's rows (axis 0); numpy or JAX arrays alike."""
+    bounds = [0, *itertools.accumulate(sizes)]
+    lead = (slice(None),) * (axis % x.ndim)
+    return [x[lead + (slice(a, b),)] for a, b in zip(bounds, bounds[1:])]
 
 
 class Embedding(nnx.Module):

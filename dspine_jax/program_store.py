@@ -67,6 +67,8 @@ def compile_fresh(lowered):
     _cache_hits.hit = False
     executable = lowered.compile()
     return executable, not _cache_hits.hit
+
+
 SUFFIX = ".program"
 # the packages whose code a program's trace runs
 TRACED_PACKAGES = ("dspine_jax", "pallas_kernels")

@@ -24,7 +24,7 @@ from dspine_jax.config import TargetConfig
 from dspine_jax.errors import ConfigError
 from dspine_jax.fused_layers import FusedLayers, rope_rows
 from dspine_jax.kv_cache import PagedKVCache
-from dspine_jax.layers import MLP, Embedding, Linear, RMSNorm, split_outputs, stacked_linear
+from dspine_jax.layers import MLP, Embedding, Linear, RMSNorm, split_sizes, stacked_linear
 from dspine_jax.rope import apply_rope, rope_frequencies
 
 
@@ -38,6 +38,12 @@ class TargetOutput:
     def features(self) -> jax.Array:
         """The picked layers side by side, [B, T, L * D]: the drafters' feature input."""
         return jnp.concatenate(list(self.hidden_states), axis=-1)
+
+
+def qkv_sizes(config: TargetConfig) -> tuple[int, int, int]:
+    """The output widths of q, k and v: the rows of a fused qkv_proj, in that order."""
+    return ((config.num_attention_heads * config.head_dim,)
+            + (config.num_key_value_heads * config.head_dim,) * 2)
 
 
 class Attention(nnx.Module):
@@ -60,9 +66,7 @@ class Attention(nnx.Module):
 
     @property
     def _sizes(self) -> tuple[int, int, int]:
-        """The output widths of q, k and v."""
-        c = self.config
-        return (c.num_attention_heads * c.head_dim,) + (c.num_key_value_heads * c.head_dim,) * 2
+        return qkv_sizes(self.config)
 
     def fuse_projections(self) -> None:
         """For inference: q_proj, k_proj and v_proj become one qkv_proj ([q; k; v] rows
@@ -76,15 +80,13 @@ class Attention(nnx.Module):
     def qkv_weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The q, k and v weights [out, D], fused or not."""
         if self.fused:
-            w = self.qkv_proj.weight[...]
-            nq, nk, _ = self._sizes
-            return w[:nq], w[nq:nq + nk], w[nq + nk:]
+            return tuple(split_sizes(self.qkv_proj.weight[...], self._sizes, axis=0))
         return self.q_proj.weight[...], self.k_proj.weight[...], self.v_proj.weight[...]
 
     def project(self, x: jax.Array, positions: jax.Array):
         """x [B, T, D] -> rotated q [B, T, N, H], rotated k and v [B, T, K, H]."""
         if self.fused:
-            q, k, v = split_outputs(self.qkv_proj(x), self._sizes)
+            q, k, v = split_sizes(self.qkv_proj(x), self._sizes)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         return (self._rotated_q(q, positions),) + self._rotated_kv(k, v, positions)
@@ -137,15 +139,13 @@ def unfused_tensors(tensors: dict, config: TargetConfig) -> dict:
     """Tensors by HF name with fused projections (`DecoderLayer.fuse_projections`) split
     back: `...qkv_proj.{weight,bias}` into q_proj/k_proj/v_proj, `...gate_up_proj.*` into
     gate_proj/up_proj, so a checkpoint has one layout whatever the model ran as."""
-    nq = config.num_attention_heads * config.head_dim
-    nk = config.num_key_value_heads * config.head_dim
     out = {}
     for name, value in tensors.items():
         stem, _, leaf = name.rpartition(".")
         if stem.endswith("qkv_proj"):
             base = stem[: -len("qkv_proj")]
-            for part, rows in (("q_proj", value[:nq]), ("k_proj", value[nq:nq + nk]),
-                               ("v_proj", value[nq + nk:])):
+            parts = split_sizes(value, qkv_sizes(config), axis=0)
+            for part, rows in zip(("q_proj", "k_proj", "v_proj"), parts):
                 out[f"{base}{part}.{leaf}"] = rows
         elif stem.endswith("gate_up_proj"):
             base = stem[: -len("gate_up_proj")]
@@ -218,14 +218,14 @@ class TargetModel(nnx.Module):
         self.lm_head = (None if config.tie_word_embeddings else
                         Linear(config.hidden_size, config.vocab_size, dtype=dtype, rngs=rngs))
 
-    # The two frozen tables the drafters share with the target.
     def fuse_projections(self) -> None:
         """Prepare for inference, in place: every layer's q/k/v and gate/up projections as
         one GEMM each (`DecoderLayer.fuse_projections`). The forward is the same function
-        of the same weights either way; `export_tensors` needs the unfused form."""
+        of the same weights either way; `export_tensors` writes the unfused tensors."""
         for layer in self.layers:
             layer.fuse_projections()
 
+    # The two frozen tables the drafters share with the target.
     def input_embedding(self) -> jax.Array:
         """E_in [V, D]."""
         return self.embed_tokens.weight[...]

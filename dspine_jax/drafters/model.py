@@ -120,8 +120,8 @@ class BlockDrafter(nnx.Module):
 
     def fuse_projections(self) -> None:
         """Prepare for inference, in place: every layer's q/k/v and gate/up projections as
-        one GEMM each (`DecoderLayer.fuse_projections`). `save_drafter` needs the
-        unfused form."""
+        one GEMM each (`DecoderLayer.fuse_projections`). `save_drafter` writes the
+        unfused tensors."""
         for layer in self.layers:
             layer.fuse_projections()
 
