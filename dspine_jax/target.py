@@ -89,7 +89,7 @@ class Attention(nnx.Module):
             q, k, v = split_sizes(self.qkv_proj(x), self._sizes)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        return (self._rotated_q(q, positions),) + self._rotated_kv(k, v, positions)
+        return (self._rotated_q(q, positions),) + self.rotated_kv(k, v, positions)
 
     def project_kv(self, x: jax.Array, positions: jax.Array):
         """Keys and values of x alone: how drafters turn target features into context KV
@@ -103,7 +103,7 @@ class Attention(nnx.Module):
             k, v = jnp.split(kv, 2, axis=-1)
         else:
             k, v = self.k_proj(x), self.v_proj(x)
-        return self._rotated_kv(k, v, positions)
+        return self.rotated_kv(k, v, positions)
 
     def _rotated_q(self, q: jax.Array, positions: jax.Array) -> jax.Array:
         c = self.config
@@ -112,7 +112,8 @@ class Attention(nnx.Module):
             q = self.q_norm(q)
         return apply_rope(q, positions, *rope_frequencies(c))
 
-    def _rotated_kv(self, k: jax.Array, v: jax.Array, positions: jax.Array):
+    def rotated_kv(self, k: jax.Array, v: jax.Array, positions: jax.Array):
+        """k, v [B, T, K * H] -> k (normed where the model does) rotated, v: [B, T, K, H]."""
         c = self.config
         k = k.reshape(*k.shape[:2], c.num_key_value_heads, c.head_dim)
         v = v.reshape(*v.shape[:2], c.num_key_value_heads, c.head_dim)

@@ -90,6 +90,32 @@ def test_fused_drafter_drafts_the_same_block_and_saves_the_same_tensors(tmp_path
         np.testing.assert_array_equal(value, want[name], err_msg=name)
 
 
+@pytest.mark.parametrize("kind", ["dflash", "dspine"])
+def test_fused_drafter_projects_every_layers_context_in_one_dot(kind):
+    target = fresh_target()
+    unfused, fused = make(target, kind), make(target, kind)
+    fused.fuse_projections()
+    layers = len(fused.layers)
+    kv_rows = 2 * TARGET.num_key_value_heads * TARGET.head_dim
+    assert fused.context_kv_proj.weight.shape == (layers * kv_rows, TARGET.hidden_size)
+    feats = features(target, unfused, TOKENS)
+    positions = jnp.broadcast_to(jnp.arange(TOKENS.shape[1]), TOKENS.shape)
+
+    def dots(drafter):
+        graph, state = nnx.split(drafter)
+        text = jax.jit(lambda s, f: nnx.merge(graph, s).context_kvs(
+            nnx.merge(graph, s).fuse(f), positions)).lower(state, feats).as_text()
+        return len(re.findall(r"stablehlo\.dot_general", text))
+
+    # the fc projection and one dot for the k/v of every layer, where there were 2 per layer
+    assert dots(unfused) - dots(fused) == 2 * layers - 1
+    want = unfused.context_kvs(unfused.fuse(feats), positions)
+    got = fused.context_kvs(fused.fuse(feats), positions)
+    for (k0, v0), (k1, v1) in zip(want, got, strict=True):
+        np.testing.assert_allclose(k1, k0, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(v1, v0, rtol=0, atol=1e-6)
+
+
 def test_decoders_fuse_the_models_they_run():
     target = fresh_target()
     drafter = make(target, "dspine")

@@ -47,6 +47,8 @@ def drafter_tensors(drafter: BlockDrafter, dtype=None) -> dict[str, np.ndarray]:
     flat = nnx.to_flat_state(nnx.state(drafter))
     out = {}
     for path, var in flat:
+        if path[0] == "context_kv_proj":     # a fused drafter's copy of the layers' k/v
+            continue
         value = var[...]
         cast = dtype is not None and isinstance(var, nnx.Param)
         out[tensor_name(path)] = np.asarray(value.astype(dtype) if cast else value)

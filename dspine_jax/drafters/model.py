@@ -33,7 +33,7 @@ from dspine_jax.drafters.injection import Injection
 from dspine_jax.drafters.transfer import (TransferSpace, build_transfer_space, code_table,
                                           transfer_codes)
 from dspine_jax.kv_cache import PagedKVCache
-from dspine_jax.layers import Linear, RMSNorm, einsum_f32
+from dspine_jax.layers import Linear, RMSNorm, einsum_f32, stacked_linear
 from dspine_jax.target import DecoderLayer
 
 
@@ -120,10 +120,27 @@ class BlockDrafter(nnx.Module):
 
     def fuse_projections(self) -> None:
         """Prepare for inference, in place: every layer's q/k/v and gate/up projections as
-        one GEMM each (`DecoderLayer.fuse_projections`). `save_drafter` writes the
-        unfused tensors."""
+        one GEMM each (`DecoderLayer.fuse_projections`), and the context's k/v of all
+        layers as one GEMM (`context_kv_proj`, [L * 2 * K * H, D]: a copy of the layers'
+        k/v rows, since the block's own q/k/v stay one GEMM per layer). Apart, XLA stacks
+        the layers' k/v weights into a new buffer on every call. `save_drafter` writes the
+        unfused tensors and not the copy: a fused drafter is for decoding, not training."""
+        if not hasattr(self, "context_kv_proj"):
+            self.context_kv_proj = stacked_linear(*(
+                proj for layer in self.layers
+                for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj)))
         for layer in self.layers:
             layer.fuse_projections()
+
+    def context_kvs(self, fused: jax.Array, positions: jax.Array) -> list:
+        """KV injection: each layer's context (k, v) [B, T, K, H] from the fused features
+        [B, T, D] (bypassing the norm, Q, O and the MLP), one GEMM for all layers once
+        fused."""
+        if not hasattr(self, "context_kv_proj"):
+            return [layer.context_kv(fused, positions) for layer in self.layers]
+        kvs = jnp.split(self.context_kv_proj(fused), 2 * len(self.layers), axis=-1)
+        return [layer.self_attn.rotated_kv(k, v, positions)
+                for layer, k, v in zip(self.layers, kvs[0::2], kvs[1::2])]
 
     def set_transfer_space(self, space: TransferSpace) -> None:
         """Install the whitening map and initialise every readout R_l to D^T."""
@@ -259,7 +276,7 @@ class BlockDrafter(nnx.Module):
         k = self.config.block_size
         fused = self.fuse(features)
         ctx_positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-        ctx_kv = [layer.context_kv(fused, ctx_positions) for layer in self.layers]
+        ctx_kv = self.context_kvs(fused, ctx_positions)
         anchor_tokens = jnp.take_along_axis(tokens, anchors, axis=1)
         positions = anchors[..., None] + jnp.arange(k)
         ctx_visible = jnp.arange(t)[None, None, :] < anchors[..., None]
@@ -291,8 +308,7 @@ class BlockDrafter(nnx.Module):
         metadata = AttentionMetadata.paged(context.lengths, context.page_table,
                                            features.shape[1], q_lens=num_new)
         k_pages, v_pages = [], []
-        for i, layer in enumerate(self.layers):
-            k, v = layer.context_kv(fused, metadata.positions)
+        for i, (k, v) in enumerate(self.context_kvs(fused, metadata.positions)):
             kp, vp = attention.write(k, v, metadata, (context.k_pages[i], context.v_pages[i]))
             k_pages.append(kp)
             v_pages.append(vp)
