@@ -15,8 +15,12 @@ and how close each group of operations comes.
     FLOP rate with their share of the measured peaks, and the group's floor (the larger of
     bytes / bandwidth and FLOPs / matmul rate) with how far above it the group runs.
 
-A kernel whose name the HLO does not hold (a Pallas kernel on a GPU) gets its group from
-its name and no bytes; `profile_step` gives the target's attention the bytes it must read
+A library kernel (cuBLAS's `nvjet_*`) is named after itself in a GPU trace; inside a CUDA
+graph (XLA's command buffers) its event names the command buffer, not its custom call, so
+`resolve_kernel_names` places it by the schedule: between the fusions launched before and
+after it, the program's library calls in order (`hlo_schedule`). Any other kernel whose
+name the HLO does not hold (a Pallas kernel on a GPU) gets its group from its name and
+no bytes; `profile_step` gives the target's attention the bytes it must read
 (the KV cache of the context) instead of the page pools its kernels take as operands.
 """
 
@@ -35,7 +39,11 @@ from dspine_benchmarks.hlo_names import HEADER
 # `qkv` and `attention`, and its context update sits inside the step's `accept`).
 GROUPS = ("draft", "proposal", "sample", "accept", "lm_head", "attention", "qkv", "o_proj",
           "mlp", "norm", "embed")
-KERNEL_GROUPS = (("attention", "attention"), ("top_k", "proposal"), ("proposal", "proposal"))
+KERNEL_GROUPS = (("attention", "attention"), ("top_k", "proposal"), ("proposal", "proposal"),
+                 ("nvjet", "gemm"), ("gemm", "gemm"), ("cutlass", "gemm"))
+# Kernels a library launches for a custom call (cuBLAS, cuBLASLt, cuDNN).
+LIBRARY_KERNEL = re.compile(r"nvjet|cutlass|cublas|gemm|xmma|cudnn", re.IGNORECASE)
+LIBRARY_CALL = re.compile(r'custom_call_target="__(?:cublas|cudnn)')
 
 ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
             "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
@@ -234,18 +242,77 @@ def measure_peaks(dtype=None) -> dict:
 
 
 # ----- the table -----------------------------------------------------------------------------
-def resolve_kernel_names(events: list[dict], known) -> list[dict]:
+@dataclasses.dataclass
+class Schedule:
+    """Where each instruction runs in its computation's sequence (a scheduled module prints
+    its instructions in the order they run), and each computation's library calls."""
+    position: dict[str, tuple[str, int]]            # name (both spellings) -> (comp, index)
+    library_calls: dict[str, list[tuple[int, str]]]  # comp -> [(index, custom call)]
+
+
+def hlo_schedule(texts) -> Schedule:
+    position, calls = {}, collections.defaultdict(list)
+    for text in texts:
+        index = collections.Counter()
+        for inst in parse_hlo(text).values():
+            i = index[inst.computation]
+            index[inst.computation] += 1
+            position[inst.name] = position[inst.name.replace(".", "_")] = (inst.computation, i)
+            if inst.opcode == "custom-call" and LIBRARY_CALL.search(inst.attributes):
+                calls[inst.computation].append((i, inst.name))
+    return Schedule(position, dict(calls))
+
+
+def resolve_kernel_names(events: list[dict], known, schedule: Schedule | None = None
+                         ) -> list[dict]:
     """Events named after the HLO instruction they ran: a library kernel (cuBLAS's
     `nvjet_*`, cuDNN's) is named after itself in a GPU trace, and its HLO instruction (the
-    custom call whose op_name and costs are known) is in the event's `hlo_op` argument.
-    Events already named after a `known` instruction stay as they are."""
+    custom call whose op_name and costs are known) is in the event's `hlo_op` argument,
+    unless it ran in a CUDA graph, whose events name the command buffer. Those are placed
+    by `schedule`: on each stream, a run of library kernels between two kernels the
+    schedule holds takes the library calls scheduled between those two, one kernel each
+    in order (or all of them the one call, where only one lies between). Events already
+    named after a `known` instruction stay as they are; the rest keep their names."""
     out = []
     for e in events:
         hlo_op = e.get("args", {}).get("hlo_op")
         if e["name"] not in known and hlo_op in known:
             e = {**e, "name": hlo_op, "kernel": e["name"]}
         out.append(e)
+    if schedule is not None:
+        _place_library_kernels(out, schedule)
     return out
+
+
+def _place_library_kernels(events: list[dict], schedule: Schedule) -> None:
+    streams = collections.defaultdict(list)
+    for i, e in enumerate(events):
+        streams[(e.get("pid"), e.get("tid"))].append(i)
+    for indices in streams.values():
+        indices.sort(key=lambda i: events[i].get("ts", 0.0))
+        anchor, run = None, []          # the last scheduled kernel; library kernels since
+
+        def place(after, before):
+            if not run or after is None or before is None or after[0] != before[0]:
+                return
+            between = [name for i, name in schedule.library_calls.get(after[0], ())
+                       if after[1] < i < before[1]]
+            if len(between) == len(run):
+                names = between
+            elif len(between) == 1:
+                names = between * len(run)
+            else:
+                return
+            for i, name in zip(run, names):
+                events[i] = {**events[i], "name": name, "kernel": events[i]["name"]}
+
+        for i in indices:
+            name = events[i]["name"]
+            if name in schedule.position:
+                place(anchor, schedule.position[name])
+                anchor, run = schedule.position[name], []
+            elif LIBRARY_KERNEL.search(name):
+                run.append(i)
 
 
 def group_rows(events: list[dict], passes: int, op_names: dict[str, str],

@@ -39,7 +39,7 @@ from dspine_train.trainer import train
 
 # The options --config replaces (it sets the drafter, the loss and the batch's shape).
 CONFIG_OPTIONS = ("kind", "layers", "batch", "seq_len", "blocks", "target_attention",
-                  "candidates", "backbone", "alignment", "logits")
+                  "drafter_attention", "candidates", "backbone", "alignment", "logits")
 
 
 def synthetic_dataset(folder: Path, vocab: int, num: int, seq_len: int, prompt: int) -> None:
@@ -89,6 +89,8 @@ def main(argv=None):
     p.add_argument("--blocks", type=int, default=32)
     p.add_argument("--target-attention", default="auto", choices=("auto", "xla", "cudnn"),
                    help="the frozen target's attention (target.attention)")
+    p.add_argument("--drafter-attention", default="auto", choices=("auto", "xla", "cudnn"),
+                   help="the drafter's attention (drafter.attention)")
     p.add_argument("--candidates", default="auto", choices=("auto", "logits", "kernel"),
                    help="loss.candidates: the DSpine refinement's top-k from the logits or "
                         "from vocab_top_k of the hidden states (auto: kernel on a GPU)")
@@ -143,7 +145,8 @@ def main(argv=None):
             seq_len = args.seq_len
             cfg = from_dict({
                 "target": {"name": args.target, "attention": args.target_attention},
-                "drafter": {"kind": args.kind, "layers": args.layers, "mask_token_id": 1},
+                "drafter": {"kind": args.kind, "layers": args.layers, "mask_token_id": 1,
+                            "attention": args.drafter_attention},
                 "loss": {"candidates": args.candidates, "logits": args.logits,
                          "alignment": args.alignment == "on",
                          **({"backbone": args.backbone} if args.backbone else {})},
@@ -167,6 +170,7 @@ def main(argv=None):
     last = rows[-1]
     result = dict(target=args.target, kind=cfg.drafter.kind, layers=cfg.drafter.layers,
                   batch=cfg.run.batch_size, target_attention=cfg.target.attention,
+                  drafter_attention=cfg.drafter.attention,
                   candidates=cfg.loss.candidates, backbone=cfg.loss.backbone,
                   alignment="on" if cfg.loss.alignment else "off", logits=cfg.loss.logits,
                   config=str(args.config) if args.config else None, set=args.set,

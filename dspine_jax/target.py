@@ -12,6 +12,7 @@ Shape legend:
 
 from __future__ import annotations
 
+import threading
 from typing import Sequence
 
 import jax
@@ -38,6 +39,10 @@ class TargetOutput:
     def features(self) -> jax.Array:
         """The picked layers side by side, [B, T, L * D]: the drafters' feature input."""
         return jnp.concatenate(list(self.hidden_states), axis=-1)
+
+
+# Decoders built in parallel threads on one model (e.g. compiled side by side) fuse it once.
+FUSE_LOCK = threading.RLock()
 
 
 def qkv_sizes(config: TargetConfig) -> tuple[int, int, int]:
@@ -223,8 +228,9 @@ class TargetModel(nnx.Module):
         """Prepare for inference, in place: every layer's q/k/v and gate/up projections as
         one GEMM each (`DecoderLayer.fuse_projections`). The forward is the same function
         of the same weights either way; `export_tensors` writes the unfused tensors."""
-        for layer in self.layers:
-            layer.fuse_projections()
+        with FUSE_LOCK:
+            for layer in self.layers:
+                layer.fuse_projections()
 
     # The two frozen tables the drafters share with the target.
     def input_embedding(self) -> jax.Array:

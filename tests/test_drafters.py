@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from dspine_jax.config import PRESETS, TargetConfig
+from dspine_jax.drafters.blocks import training_mask
 from dspine_jax.drafters.config import DrafterConfig, DSpineConfig, build_target_layer_ids
 from dspine_jax.drafters.model import BlockDrafter
 from dspine_jax.drafters.transfer import build_transfer_space
@@ -149,8 +150,8 @@ def test_block_sees_only_context_before_its_anchor(target, kind):
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_block_attention_mask(target, causal):
-    drafter = make(target, "dspine", causal_block=causal)
-    mask = np.asarray(drafter._mask(jnp.asarray([[[True, False]] * 2])))  # [1, 2K, 2 + 2K]
+    visible = jnp.asarray([[[True, False]] * 2])     # [1, n=2, S=2]
+    mask = np.asarray(training_mask(visible, K, causal))  # [1, 2K, 2 + 2K]
     block = mask[0, :, 2:]
     for qi in range(2 * K):
         for ki in range(2 * K):

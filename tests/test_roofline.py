@@ -85,6 +85,49 @@ def test_library_kernels_are_named_after_their_hlo_instruction():
     assert rows["qkv"]["us_per_pass"] == 10 and "other" in rows
 
 
+# A scheduled loop body: fusions and cuBLAS calls in the order they run.
+SCHEDULED = """HloModule jit_decode_rows
+
+%body (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  %norm_fusion.1 = f32[4]{0} fusion(%p), kind=kLoop, calls=%c
+  %custom-call.2 = (f32[4]{0}, s8[8]{0}) custom-call(%norm_fusion.1), custom_call_target="__cublas$lt$matmul"
+  %get-tuple-element.3 = f32[4]{0} get-tuple-element(%custom-call.2), index=0
+  %custom-call.4 = (f32[4]{0}, s8[8]{0}) custom-call(%get-tuple-element.3), custom_call_target="__cublas$lt$matmul"
+  %add_fusion.5 = f32[4]{0} fusion(%custom-call.4), kind=kLoop, calls=%c
+  %custom-call.6 = (f32[4]{0}, s8[8]{0}) custom-call(%add_fusion.5), custom_call_target="__cublas$lt$matmul"
+  %custom-call.7 = f32[4]{0} custom-call(%add_fusion.5), custom_call_target="my_pallas_kernel"
+  ROOT %out_fusion.8 = f32[4]{0} fusion(%custom-call.6), kind=kLoop, calls=%c
+}
+"""
+
+
+def test_library_kernels_in_a_cuda_graph_are_placed_by_the_schedule():
+    """In a CUDA graph a cuBLAS kernel's event names the command buffer: the run of library
+    kernels between two scheduled fusions takes the library calls scheduled between them,
+    in order, and a call that launched two kernels takes both."""
+    schedule = roofline.hlo_schedule([SCHEDULED])
+    assert schedule.library_calls == {"body": [(2, "custom-call.2"), (4, "custom-call.4"),
+                                               (6, "custom-call.6")]}
+    graph = {"hlo_op": "command_buffer_9"}
+    kernels = [("norm_fusion_1", {}), ("nvjet_sm90_a", graph), ("nvjet_sm90_b", graph),
+               ("add_fusion_5", {}), ("nvjet_sm90_c", graph), ("cutlass_splitk_reduce", graph),
+               ("Memset 0", graph), ("out_fusion_8", {}),
+               ("nvjet_sm90_a", graph)]            # after the last scheduled kernel
+    events = [{"name": name, "ts": float(ts), "dur": 1.0, "pid": 1, "tid": 7, "args": args}
+              for ts, (name, args) in enumerate(kernels)]
+    events = [events[i] for i in (3, 0, 2, 1, 8, 5, 4, 7, 6)]   # any order: sorted by ts
+    known = set(roofline.hlo_costs(SCHEDULED))
+    resolved = sorted(roofline.resolve_kernel_names(events, known, schedule),
+                      key=lambda e: e["ts"])
+    assert [e["name"] for e in resolved] == [
+        "norm_fusion_1", "custom-call.2", "custom-call.4", "add_fusion_5", "custom-call.6",
+        "custom-call.6", "Memset 0", "out_fusion_8", "nvjet_sm90_a"]
+    assert resolved[1]["kernel"] == "nvjet_sm90_a"
+    # what stays unplaced is a GEMM all the same
+    assert roofline.group_of("", "nvjet_sm90_a") == "gemm"
+
+
 def test_profile_step_counts_the_models_gemm_flops(tiny_llama_dir, tmp_path):
     """A DSpine pass's named GEMMs: each group's FLOPs per pass are what the model's shapes
     give (2 x tokens x in x out per weight), not a multiple of it."""

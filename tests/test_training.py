@@ -643,10 +643,42 @@ def test_cudnn_target_attention_computes_the_reference_attention():
     got, pages = CudnnBackend(implementation="xla")(q, k, v, causal)
     assert pages is None
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    block = AttentionMetadata.dense(causal.positions, jnp.ones((b, t, t), bool),
-                                    "bidirectional_block")
-    np.testing.assert_array_equal(CudnnBackend(implementation="xla")(q, k, v, block)[0],
-                                  XlaBackend()(q, k, v, block)[0])
+    paged = AttentionMetadata.paged(jnp.asarray([3, 5]), jnp.arange(2)[:, None], t)
+    pages = tuple(jnp.zeros((2, 32, kv, h)) for _ in range(2))
+    got, got_pages = CudnnBackend(implementation="xla")(q, k, v, paged, pages)
+    want, want_pages = XlaBackend()(q, k, v, paged, pages)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got_pages[0], want_pages[0])
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspine"])
+def test_cudnn_drafter_attention_computes_the_training_blocks_attention(kind):
+    """The drafter's packed training blocks (each sees the context before its anchor and
+    its own block) through CudnnBackend's masked call (jax.nn's XLA path here) equal the
+    reference attention: the mask goes in as [B, 1, T, S] over every head."""
+    import jax
+    import jax.numpy as jnp
+
+    from dspine_jax.attention.backend import CudnnBackend, XlaBackend
+    from dspine_jax.attention.metadata import AttentionMetadata
+    from dspine_jax.drafters.blocks import training_mask
+
+    b, t, n, blocks, size, kv, h = 2, 20, 6, 3, 4, 2, 16
+    anchors = jnp.asarray([[2, 7, 12], [0, 9, 15]])
+    ctx_visible = jnp.arange(t)[None, None, :] < anchors[..., None]
+    mask = training_mask(ctx_visible, size, kind == "dspine")  # [B, n*K, T + n*K]
+    assert mask.shape == (b, blocks * size, t + blocks * size)
+    assert not mask.all(-1).any() and mask.any(-1).all()    # partial rows, none empty
+    keys = jax.random.split(jax.random.key(1), 3)
+    q = jax.random.normal(keys[0], (b, blocks * size, n, h))
+    k = jax.random.normal(keys[1], (b, t + blocks * size, kv, h))
+    v = jax.random.normal(keys[2], (b, t + blocks * size, kv, h))
+    positions = (anchors[..., None] + jnp.arange(size)).reshape(b, -1)
+    metadata = AttentionMetadata.dense(positions, mask, "block_diagonal")
+    got, pages = CudnnBackend(implementation="xla")(q, k, v, metadata)
+    assert pages is None
+    np.testing.assert_allclose(got, XlaBackend()(q, k, v, metadata)[0], rtol=1e-5,
+                               atol=1e-5)
 
 
 def test_target_attention_option_is_checked_before_the_target_loads(tmp_path):
@@ -661,20 +693,38 @@ def test_target_attention_option_is_checked_before_the_target_loads(tmp_path):
         train(cfg, progress=False)
 
 
-def test_auto_target_attention_is_cudnn_only_where_it_runs(tmp_path):
-    """"auto" (the default) picks cuDNN on a CUDA GPU in bf16 and XLA otherwise (the CPU,
-    or float32 anywhere), without an error."""
+def test_drafter_attention_option_is_checked_before_the_target_loads(tmp_path):
+    from dspine_train.trainer import train
+
+    (tmp_path / "c.toml").write_text(config_text(tmp_path, tmp_path / "run",
+                                                 drafter={"attention": "flash"}))
+    with pytest.raises(ConfigError, match=r"drafter.attention must be one of \('auto', "
+                                          r"'xla', 'cudnn'\), got 'flash'"):
+        load_config(tmp_path / "c.toml", [])
+    (tmp_path / "c.toml").write_text(config_text(
+        tmp_path, tmp_path / "run", target={"name": str(tmp_path / "no-such-target")},
+        drafter={"attention": "cudnn"}, run={"compute_dtype": "bf16"}))
+    with pytest.raises(ConfigError, match="drafter.attention = 'cudnn' does not run on the "
+                                          "cpu platform"):
+        train(load_config(tmp_path / "c.toml", []), progress=False)
+
+
+def test_auto_attention_is_cudnn_only_where_it_runs(tmp_path):
+    """"auto" (the default, target and drafter) picks cuDNN on a CUDA GPU in bf16 and XLA
+    otherwise (the CPU, or float32 anywhere), without an error."""
     import jax
+    import jax.numpy as jnp
 
     from dspine_jax.attention.backend import CudnnBackend, XlaBackend
-    from dspine_train.trainer import training_target_attention
+    from dspine_train.trainer import training_attention
 
-    assert load_config_text(tmp_path, {}).target.attention == "auto"
+    cfg = load_config_text(tmp_path, {})
+    assert cfg.target.attention == cfg.drafter.attention == "auto"
     on_gpu = jax.default_backend() == "gpu"
-    bf16 = training_target_attention(load_config_text(tmp_path, {"dtype": "bf16"}))
+    bf16 = training_attention("auto", jnp.bfloat16, "drafter.attention")
     assert isinstance(bf16, CudnnBackend) == on_gpu and isinstance(bf16, XlaBackend)
-    f32 = training_target_attention(load_config_text(tmp_path, {"dtype": "f32"}))
-    assert type(f32) is XlaBackend
+    assert type(training_attention("auto", jnp.float32, "target.attention")) is XlaBackend
+    assert type(training_attention("xla", jnp.bfloat16, "target.attention")) is XlaBackend
 
 
 def load_config_text(tmp_path, target: dict):
@@ -684,28 +734,31 @@ def load_config_text(tmp_path, target: dict):
 
 def test_training_runs_the_target_through_its_attention_option(workspace, tmp_path,
                                                               monkeypatch):
-    """The step's target forward uses target.attention's backend: through jax.nn's XLA
-    path the cudnn call trains like the reference attention."""
+    """The step's target and drafter forwards use target.attention's and
+    drafter.attention's backends: through jax.nn's XLA path the cudnn calls (the target's
+    causal mask, the drafter's blocks as a bias) train like the reference attention."""
     from dspine_jax.attention.backend import CudnnBackend
     from dspine_train import trainer
 
     curves = {}
     for name in ("xla", "cudnn-as-xla"):
         if name != "xla":
-            calls = []
+            calls = {}
 
-            class Counting(CudnnBackend):
-                def __call__(self, *args, **kwargs):
-                    calls.append(1)
-                    return super().__call__(*args, **kwargs)
-            monkeypatch.setattr(trainer, "training_target_attention",
-                                lambda cfg: Counting(implementation="xla"))
+            def counting(choice, dtype, key):
+                class Counting(CudnnBackend):
+                    def __call__(self, q, k, v, metadata, pages=None):
+                        calls.setdefault(key, set()).add(metadata.mask)
+                        return super().__call__(q, k, v, metadata, pages)
+                return Counting(implementation="xla")
+            monkeypatch.setattr(trainer, "training_attention", counting)
         out = tmp_path / name
         (tmp_path / f"{name}.toml").write_text(config_text(workspace, out, steps=4))
         trainer.train(load_config(tmp_path / f"{name}.toml", []), progress=False)
         with open(out / "metrics.csv") as f:
             curves[name] = [float(line.split(",")[1]) for line in list(f)[1:]]
-    assert calls  # the target's layers called the backend while tracing the step
+    # each model's layers called its backend while tracing the step
+    assert calls == {"target.attention": {"causal"}, "drafter.attention": {"block_diagonal"}}
     np.testing.assert_allclose(curves["cudnn-as-xla"], curves["xla"], rtol=1e-4)
 
 
@@ -729,3 +782,42 @@ def test_cudnn_target_attention_on_a_gpu():
     got = CudnnBackend()(q, k, v, causal)[0]
     assert got.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_cudnn_drafter_attention_on_a_gpu():
+    """cuDNN's masked call over SmolLM2-sized training blocks, and its gradients, against
+    the float32 reference attention."""
+    import jax
+    import jax.numpy as jnp
+
+    from dspine_jax.attention.backend import CudnnBackend, XlaBackend
+    from dspine_jax.attention.metadata import AttentionMetadata
+    from dspine_jax.drafters.blocks import training_mask
+
+    if jax.default_backend() != "gpu":
+        pytest.skip(f"needs a CUDA GPU; JAX backend here is {jax.default_backend()!r}")
+    b, t, blocks, size, n, kv, h = 2, 256, 8, 16, 9, 3, 64
+    anchors = jnp.sort(jax.random.randint(jax.random.key(3), (b, blocks), 0, t - size), -1)
+    mask = training_mask(jnp.arange(t)[None, None, :] < anchors[..., None], size, True)
+    positions = (anchors[..., None] + jnp.arange(size)).reshape(b, -1)
+    metadata = AttentionMetadata.dense(positions, mask, "block_diagonal")
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(key, (b, length, heads, h), jnp.bfloat16)
+               for key, length, heads in zip(keys, (blocks * size, t + blocks * size,
+                                                    t + blocks * size), (n, kv, kv)))
+
+    def loss(backend, q, k, v):
+        return jnp.sum(backend(q, k, v, metadata)[0].astype(jnp.float32) ** 2)
+
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    want = XlaBackend()(*f32, metadata)[0]
+    got = jax.jit(lambda q, k, v: CudnnBackend()(q, k, v, metadata)[0])(q, k, v)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=2e-2, rtol=2e-2)
+    want_grads = jax.grad(lambda *x: loss(XlaBackend(), *x), argnums=(0, 1, 2))(*f32)
+    got_grads = jax.jit(jax.grad(lambda *x: loss(CudnnBackend(), *x), argnums=(0, 1, 2)))(
+        q, k, v)
+    for g, w in zip(got_grads, want_grads):
+        scale = float(jnp.max(jnp.abs(w)))
+        np.testing.assert_allclose(np.asarray(g, np.float32) / scale, w / scale, atol=3e-2)

@@ -20,7 +20,7 @@ from dspine_jax.errors import ConfigError
 from dspine_jax.losses import LossConfig
 
 
-TARGET_ATTENTION = ("auto", "xla", "cudnn")
+TRAINING_ATTENTION = ("auto", "xla", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,8 +32,8 @@ class TargetSection:
                                            # GPUs, bf16/f16) or auto (cudnn where it runs)
 
     def __post_init__(self):
-        if self.attention not in TARGET_ATTENTION:
-            raise ConfigError(f"target.attention must be one of {TARGET_ATTENTION}, got "
+        if self.attention not in TRAINING_ATTENTION:
+            raise ConfigError(f"target.attention must be one of {TRAINING_ATTENTION}, got "
                               f"{self.attention!r}")
 
 
@@ -46,10 +46,16 @@ class DrafterSection:
     init_from: str = ""                    # weights only, fresh optimizer and step 0: a
                                            # drafter folder, or a run folder (its latest
                                            # checkpoint's weights); else a fresh drafter
+    attention: str = "auto"                # its attention over context and blocks, as
+                                           # target.attention (cudnn: the blocks' mask as
+                                           # a bias; bf16/f16 run.compute_dtype)
 
     def __post_init__(self):
         if self.kind not in ("dflash", "dspine"):
             raise ConfigError(f"drafter.kind must be 'dflash' or 'dspine', got {self.kind!r}")
+        if self.attention not in TRAINING_ATTENTION:
+            raise ConfigError(f"drafter.attention must be one of {TRAINING_ATTENTION}, got "
+                              f"{self.attention!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,8 @@ from dspine_train.config import TrainConfig
 
 
 def make_step(cfg: TrainConfig, target_graph, drafter_graph, tx, loss_config,
-              drafter_config: DrafterConfig, compute_dtype, mesh, *, target_attention=None):
+              drafter_config: DrafterConfig, compute_dtype, mesh, *, target_attention=None,
+              drafter_attention=None):
     """The jitted training step. Every array it reads is an argument: a closed-over array
     would be baked into the compiled program as a constant (DSpine's transfer basis is
     [H, r]) and recompiled with every new drafter.
@@ -32,7 +33,8 @@ def make_step(cfg: TrainConfig, target_graph, drafter_graph, tx, loss_config,
     (docs/benchmarks.md, "Multi-GPU training"). Under fsdp the parameters and optimizer
     state stay split between steps and are gathered for the loss.
 
-    target_attention: the frozen target's attention backend (default: dense XLA)."""
+    target_attention, drafter_attention: the frozen target's and the drafter's attention
+    backends (default: dense XLA)."""
     k = drafter_config.block_size
     n = cfg.data.blocks_per_seq
     ids = drafter_config.target_layer_ids
@@ -62,7 +64,7 @@ def make_step(cfg: TrainConfig, target_graph, drafter_graph, tx, loss_config,
             # without this the bf16 weights meet float32 inputs and every matmul runs in f32.
             drafter.dtype = compute_dtype
             draft = drafter.forward_train(tokens, features, anchors, e_in, e_out,
-                                          replace=replace,
+                                          attention=drafter_attention, replace=replace,
                                           replace_layers=loss_config.replacement_layers,
                                           logits=not loss_config.fused_logits)
             return drafter_loss(loss_config, drafter, draft, labels, supervised,

@@ -74,7 +74,11 @@ def train(cfg: TrainConfig, *, progress: bool = True, trace_dir: Path | None = N
         raise ConfigError(f"run.batch_size {cfg.run.batch_size} must divide evenly over the "
                           f"{mesh.devices.size} devices")
     compute_dtype = resolve_dtype(cfg.run.compute_dtype)
-    target_attention = training_target_attention(cfg)  # before the target loads
+    # before the target loads
+    target_attention = training_attention(cfg.target.attention, resolve_dtype(cfg.target.dtype),
+                                          "target.attention")
+    drafter_attention = training_attention(cfg.drafter.attention, compute_dtype,
+                                           "drafter.attention")
 
     loaded = load_target(cfg.target.name, dtype=cfg.target.dtype)
     manifest = read_manifest(Path(cfg.data.path))
@@ -115,7 +119,7 @@ def train(cfg: TrainConfig, *, progress: bool = True, trace_dir: Path | None = N
             f"run.resume_from {source} was trained with another configuration",
             "a chain's links may change only run.out, run.steps, run.stop_after, "
             "run.max_seconds, run.log_every, run.checkpoint_every, run.keep_checkpoints, "
-            "mesh.*, target.attention, loss.logits and drafter.init_from; start from its "
+            "mesh.*, the attention kernels, loss.logits and drafter.init_from; start from its "
             "weights alone with --init-from instead"))
         origin = {"start": "resume", "source": str(source)}
     elif is_run_folder(cfg.drafter.init_from):  # weights alone: fresh optimizer and step 0
@@ -139,7 +143,8 @@ def train(cfg: TrainConfig, *, progress: bool = True, trace_dir: Path | None = N
             (out / "chain.json").write_text(json.dumps({**origin, "start_step": step}))
 
     step_fn = jax.jit(make_step(cfg, target_graph, drafter_graph, tx, losses, dc,
-                                compute_dtype, mesh, target_attention=target_attention),
+                                compute_dtype, mesh, target_attention=target_attention,
+                                drafter_attention=drafter_attention),
                       donate_argnums=(2, 3))
     log = MetricsLog(out / "metrics.csv", dc.block_size, lead)
     flops = flops_per_step(loaded.config, drafter, cfg.run.batch_size, cfg.data.seq_len,
@@ -243,41 +248,42 @@ def step_analysis(step_fn, args) -> dict:
             "temp_bytes": int(getattr(memory, "temp_size_in_bytes", 0))}
 
 
-def training_target_attention(cfg: TrainConfig) -> AttentionBackend:
-    """The frozen target's attention backend for `target.attention`: "auto" is cuDNN's
+def training_attention(choice: str, dtype, key: str) -> AttentionBackend:
+    """The attention backend of a training forward (`target.attention` for the frozen
+    target, `drafter.attention` for the drafter, computing in `dtype`): "auto" is cuDNN's
     fused attention where it runs (a CUDA GPU, bf16/f16; XLA's attention writes the
-    [B, N, T, T] float32 scores of every layer) and XLA elsewhere; "cudnn" where it
-    cannot run is an error naming the problem."""
-    if cfg.target.attention == "xla":
+    [B, N, T, S] float32 scores of every layer, and on an H100 the drafter's took 40% of
+    a SmolLM2 step) and XLA elsewhere; "cudnn" where it cannot run is an error naming the
+    problem."""
+    if choice == "xla":
         return XlaBackend()
     backend = CudnnBackend()
-    reason = backend.check(head_dim=0, num_heads=0, num_kv_heads=0,
-                           dtype=resolve_dtype(cfg.target.dtype))
-    if reason is not None and cfg.target.attention == "auto":
+    reason = backend.check(head_dim=0, num_heads=0, num_kv_heads=0, dtype=dtype)
+    if reason is not None and choice == "auto":
         return XlaBackend()
     if reason is not None:
-        raise ConfigError(f"target.attention = 'cudnn' does not run on {reason}; "
-                          "use target.attention = 'xla'")
+        raise ConfigError(f"{key} = 'cudnn' does not run on {reason}; use {key} = 'xla'")
     return backend
 
 
 def _resumable(cfg: TrainConfig) -> dict:
     """The config a resumed run must match: stop_after/max_seconds only say when to stop,
-    and the mesh and the target's attention kernel only where and how the same arithmetic
+    and the mesh and the attention kernels only where and how the same arithmetic
     runs (a run may move from one GPU to two)."""
     d = cfg.to_dict()
     d["run"] = {k: v for k, v in d["run"].items() if k not in ("stop_after", "max_seconds")}
-    d["target"] = {k: v for k, v in d["target"].items() if k != "attention"}
+    for section in ("target", "drafter"):
+        d[section] = {k: v for k, v in d[section].items() if k != "attention"}
     d.pop("mesh")
     return d
 
 
 # What the next link of a chain may change: where it writes and when it stops; run.steps
 # too (extending a chain: the schedule is laid over the new total from the current step);
-# and how the same math runs (the target's attention, the loss's vocabulary path).
+# and how the same math runs (the attention kernels, the loss's vocabulary path).
 CHAIN_FREE = {"run": ("out", "steps", "log_every", "checkpoint_every", "keep_checkpoints",
-                      "resume_from"), "drafter": ("init_from",), "target": ("attention",),
-              "loss": ("logits",)}
+                      "resume_from"), "drafter": ("init_from", "attention"),
+              "target": ("attention",), "loss": ("logits",)}
 
 
 def _chain_key(config: dict) -> dict:

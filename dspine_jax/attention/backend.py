@@ -15,9 +15,10 @@ drafter's context grows by target features, with no attention).
           lowered in CI, never yet run on one); on other platforms it runs the GPU kernel
           in Pallas interpret mode (slow; for tests). `PallasBackend("pallas_tpu",
           interpret=False)` asks for the TPU kernel from any host (to lower for TPU).
-  cudnn   dense causal self-attention through cuDNN's fused (flash) attention, which
-          never writes the [B, N, T, T] scores: the frozen target's forward in training
-          (`target.attention`). CUDA GPUs, bf16/f16; other calls as xla.
+  cudnn   dense calls through cuDNN's fused (flash) attention, which never writes the
+          [B, N, T, S] scores: training's frozen target (plain causal; `target.attention`)
+          and drafter (its packed blocks' mask as an additive bias; `drafter.attention`).
+          CUDA GPUs, bf16/f16; paged calls as xla.
 
 Shape legend: B batch, T query tokens, S keys, N query heads, K kv heads, H head dim,
 P pages, PS page size.
@@ -86,22 +87,29 @@ class XlaBackend(AttentionBackend):
 
 
 class CudnnBackend(XlaBackend):
-    """Dense causal calls through `jax.nn.dot_product_attention(implementation="cudnn")`.
+    """Dense calls through `jax.nn.dot_product_attention(implementation="cudnn")`.
 
-    Only for a mask that is plain causal over the tokens' order (T queries over the same
-    T keys, positions 0..T-1 or any right-padded prefix of them), as in the training
-    target's forward; every other call goes the XLA way. `implementation` is a field so
-    the CPU tests can check this call's layout and masking through jax.nn's XLA path."""
+    A plain causal mask over the tokens' order (T queries over the same T keys, positions
+    0..T-1 or any right-padded prefix of them, as in the training target's forward) is
+    cuDNN's own causal mask; any other dense mask [B, T, S] (the drafter's packed blocks
+    in training) goes in as an additive bias, which every query row must leave a key
+    (the blocks' always do: each slot sees itself). Paged calls go the XLA way.
+    `implementation` is a field so the CPU tests can check this call's layout and masking
+    through jax.nn's XLA path."""
     name = "cudnn"
 
     def __init__(self, implementation: str = "cudnn"):
         self.implementation = implementation
 
     def __call__(self, q, k, v, metadata, pages=None):
-        if metadata.is_paged or metadata.mask != "causal" or q.shape[1] != k.shape[1]:
+        if metadata.is_paged:
             return super().__call__(q, k, v, metadata, pages)
-        out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                           implementation=self.implementation)
+        if metadata.mask == "causal" and q.shape[1] == k.shape[1]:
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                               implementation=self.implementation)
+        else:
+            out = jax.nn.dot_product_attention(q, k, v, mask=metadata.dense_mask[:, None],
+                                               implementation=self.implementation)
         return out.astype(q.dtype), None
 
     def check(self, *, head_dim, num_heads, num_kv_heads, dtype, page_size=16):

@@ -67,3 +67,18 @@ def predecessor_tokens(tokens: jax.Array, anchors: jax.Array, block_size: int) -
     b, t = tokens.shape
     positions = jnp.clip(anchors[..., None] + jnp.arange(block_size) - 1, 0, t - 1)
     return jnp.take_along_axis(tokens, positions.reshape(b, -1), 1).reshape(positions.shape)
+
+
+def training_mask(ctx_visible: jax.Array, block_size: int, causal: bool) -> jax.Array:
+    """ctx_visible [B, n, S] (which context keys each block sees) -> training's
+    block-diagonal mask [B, n*K, S + n*K]: every slot sees its block's visible context and
+    its own block (causal: only the slots up to itself), no other block."""
+    b, n, s = ctx_visible.shape
+    k = block_size
+    block = jnp.arange(n * k) // k
+    slot = jnp.arange(n * k) % k
+    inside = block[:, None] == block[None, :]
+    if causal:
+        inside &= slot[None, :] <= slot[:, None]
+    ctx = jnp.repeat(ctx_visible, k, axis=1)
+    return jnp.concatenate([ctx, jnp.broadcast_to(inside, (b, n * k, n * k))], -1)

@@ -27,14 +27,14 @@ import numpy as np
 from flax import nnx, struct
 
 from dspine_jax.attention import AttentionBackend, AttentionMetadata, XlaBackend
-from dspine_jax.drafters.blocks import predecessor_tokens
+from dspine_jax.drafters.blocks import predecessor_tokens, training_mask
 from dspine_jax.drafters.config import DrafterConfig
 from dspine_jax.drafters.injection import Injection
 from dspine_jax.drafters.transfer import (TransferSpace, build_transfer_space, code_table,
                                           transfer_codes)
 from dspine_jax.kv_cache import PagedKVCache
 from dspine_jax.layers import Linear, RMSNorm, einsum_f32, stacked_linear
-from dspine_jax.target import DecoderLayer
+from dspine_jax.target import FUSE_LOCK, DecoderLayer
 
 
 class TransferBasis(nnx.Variable):
@@ -125,12 +125,13 @@ class BlockDrafter(nnx.Module):
         k/v rows, since the block's own q/k/v stay one GEMM per layer). Apart, XLA stacks
         the layers' k/v weights into a new buffer on every call. `save_drafter` writes the
         unfused tensors and not the copy: a fused drafter is for decoding, not training."""
-        if not hasattr(self, "context_kv_proj"):
-            self.context_kv_proj = stacked_linear(*(
-                proj for layer in self.layers
-                for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj)))
-        for layer in self.layers:
-            layer.fuse_projections()
+        with FUSE_LOCK:
+            if not hasattr(self, "context_kv_proj"):
+                self.context_kv_proj = stacked_linear(*(
+                    proj for layer in self.layers
+                    for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj)))
+            for layer in self.layers:
+                layer.fuse_projections()
 
     def context_kvs(self, fused: jax.Array, positions: jax.Array) -> list:
         """KV injection: each layer's context (k, v) [B, T, K, H] from the fused features
@@ -205,18 +206,6 @@ class BlockDrafter(nnx.Module):
         """The mask of a block after its context: DSpine causal, DFlash bidirectional."""
         return "causal_block" if self.config.causal_block else "bidirectional_block"
 
-    def _mask(self, ctx_visible: jax.Array) -> jax.Array:
-        """ctx_visible [B, n, S] -> training's block-diagonal mask [B, n*K, S + n*K]."""
-        b, n, s = ctx_visible.shape
-        k = self.config.block_size
-        block = jnp.arange(n * k) // k
-        slot = jnp.arange(n * k) % k
-        inside = block[:, None] == block[None, :]
-        if self.config.causal_block:
-            inside &= slot[None, :] <= slot[:, None]
-        ctx = jnp.repeat(ctx_visible, k, axis=1)
-        return jnp.concatenate([ctx, jnp.broadcast_to(inside, (b, n * k, n * k))], -1)
-
     def _run(self, x, metadata, attention, ctx, anchor_tokens, output_embedding,
              teacher_tokens=None, replace=None, replace_layers=0, with_logits=True):
         """The layer stack. x [B, n, K, D]; metadata for the n*K block queries; ctx: per
@@ -281,8 +270,8 @@ class BlockDrafter(nnx.Module):
         positions = anchors[..., None] + jnp.arange(k)
         ctx_visible = jnp.arange(t)[None, None, :] < anchors[..., None]
         n = anchors.shape[1]
-        metadata = AttentionMetadata.dense(positions.reshape(b, n * k),
-                                           self._mask(ctx_visible), "block_diagonal")
+        mask = training_mask(ctx_visible, k, self.config.causal_block)
+        metadata = AttentionMetadata.dense(positions.reshape(b, n * k), mask, "block_diagonal")
         out, _ = self._run(self._block_inputs(anchor_tokens, input_embedding), metadata,
                            attention or XlaBackend(), ctx_kv, anchor_tokens,
                            output_embedding,
