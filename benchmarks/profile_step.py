@@ -119,7 +119,7 @@ def profile(method: str, model, config, args, trace_dir: Path, peaks: dict) -> d
         names.update(hlo_names.op_names(text))
         costs.update(roofline.hlo_costs(text))
     events = roofline.resolve_kernel_names(device_events(trace), set(names) | set(costs),
-                                           roofline.hlo_schedule(texts))
+                                           roofline.hlo_schedule(texts), passes)
     summary = summarise(events, passes, args.top, names)
     # the target's attention must read its KV cache over the context, not the whole pools
     q_len = 1 if method == "ar" else args.block_size

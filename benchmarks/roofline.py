@@ -263,16 +263,19 @@ def hlo_schedule(texts) -> Schedule:
     return Schedule(position, dict(calls))
 
 
-def resolve_kernel_names(events: list[dict], known, schedule: Schedule | None = None
-                         ) -> list[dict]:
+def resolve_kernel_names(events: list[dict], known, schedule: Schedule | None = None,
+                         passes: int = 1) -> list[dict]:
     """Events named after the HLO instruction they ran: a library kernel (cuBLAS's
     `nvjet_*`, cuDNN's) is named after itself in a GPU trace, and its HLO instruction (the
     custom call whose op_name and costs are known) is in the event's `hlo_op` argument,
     unless it ran in a CUDA graph, whose events name the command buffer. Those are placed
-    by `schedule`: on each stream, a run of library kernels between two kernels the
-    schedule holds takes the library calls scheduled between those two, one kernel each
-    in order (or all of them the one call, where only one lies between). Events already
-    named after a `known` instruction stay as they are; the rest keep their names."""
+    by `schedule`: on each stream, a run of library kernels between two anchors takes
+    the library calls scheduled between those two, one kernel each in order (or all of
+    them the one call, where only one lies between). An anchor is a kernel the schedule
+    holds that ran once a pass (`passes` in the trace): XLA names a kernel shared by
+    identical fusions (every layer's norm, say) after the first of them, so a kernel
+    that ran more often does not say where in the schedule it ran. Events already named
+    after a `known` instruction stay as they are; the rest keep their names."""
     out = []
     for e in events:
         hlo_op = e.get("args", {}).get("hlo_op")
@@ -280,11 +283,12 @@ def resolve_kernel_names(events: list[dict], known, schedule: Schedule | None = 
             e = {**e, "name": hlo_op, "kernel": e["name"]}
         out.append(e)
     if schedule is not None:
-        _place_library_kernels(out, schedule)
+        _place_library_kernels(out, schedule, passes)
     return out
 
 
-def _place_library_kernels(events: list[dict], schedule: Schedule) -> None:
+def _place_library_kernels(events: list[dict], schedule: Schedule, passes: int) -> None:
+    runs = collections.Counter(e["name"] for e in events)
     streams = collections.defaultdict(list)
     for i, e in enumerate(events):
         streams[(e.get("pid"), e.get("tid"))].append(i)
@@ -309,8 +313,10 @@ def _place_library_kernels(events: list[dict], schedule: Schedule) -> None:
         for i in indices:
             name = events[i]["name"]
             if name in schedule.position:
-                place(anchor, schedule.position[name])
-                anchor, run = schedule.position[name], []
+                # a shared kernel ends the run without placing it
+                here = schedule.position[name] if runs[name] == passes else None
+                place(anchor, here)
+                anchor, run = here, []
             elif LIBRARY_KERNEL.search(name):
                 run.append(i)
 

@@ -86,26 +86,14 @@ def test_library_kernels_are_named_after_their_hlo_instruction():
 
 
 # A scheduled loop body: fusions and cuBLAS calls in the order they run.
-SCHEDULED = """HloModule jit_decode_rows
-
-%body (p: f32[4]) -> f32[4] {
-  %p = f32[4]{0} parameter(0)
-  %norm_fusion.1 = f32[4]{0} fusion(%p), kind=kLoop, calls=%c
-  %custom-call.2 = (f32[4]{0}, s8[8]{0}) custom-call(%norm_fusion.1), custom_call_target="__cublas$lt$matmul"
-  %get-tuple-element.3 = f32[4]{0} get-tuple-element(%custom-call.2), index=0
-  %custom-call.4 = (f32[4]{0}, s8[8]{0}) custom-call(%get-tuple-element.3), custom_call_target="__cublas$lt$matmul"
-  %add_fusion.5 = f32[4]{0} fusion(%custom-call.4), kind=kLoop, calls=%c
-  %custom-call.6 = (f32[4]{0}, s8[8]{0}) custom-call(%add_fusion.5), custom_call_target="__cublas$lt$matmul"
-  %custom-call.7 = f32[4]{0} custom-call(%add_fusion.5), custom_call_target="my_pallas_kernel"
-  ROOT %out_fusion.8 = f32[4]{0} fusion(%custom-call.6), kind=kLoop, calls=%c
-}
-"""
+SCHEDULED = (Path(__file__).parent / "fixtures" / "scheduled_module.hlo.txt").read_text()
 
 
 def test_library_kernels_in_a_cuda_graph_are_placed_by_the_schedule():
     """In a CUDA graph a cuBLAS kernel's event names the command buffer: the run of library
     kernels between two scheduled fusions takes the library calls scheduled between them,
-    in order, and a call that launched two kernels takes both."""
+    in order, and a call that launched two kernels takes both. A kernel that ran more than
+    once a pass (shared by identical fusions) is no anchor."""
     schedule = roofline.hlo_schedule([SCHEDULED])
     assert schedule.library_calls == {"body": [(2, "custom-call.2"), (4, "custom-call.4"),
                                                (6, "custom-call.6")]}
@@ -124,6 +112,19 @@ def test_library_kernels_in_a_cuda_graph_are_placed_by_the_schedule():
         "norm_fusion_1", "custom-call.2", "custom-call.4", "add_fusion_5", "custom-call.6",
         "custom-call.6", "Memset 0", "out_fusion_8", "nvjet_sm90_a"]
     assert resolved[1]["kernel"] == "nvjet_sm90_a"
+    # add_fusion_5's kernel also ran for another fusion (a later layer's): only the
+    # calls after the last anchor before it, and up to the next one, are placed
+    shared = events + [{"name": "add_fusion_5", "ts": 9.0, "dur": 1.0, "pid": 1, "tid": 7,
+                        "args": {}}]
+    resolved = sorted(roofline.resolve_kernel_names(shared, known, schedule),
+                      key=lambda e: e["ts"])
+    assert [e["name"] for e in resolved][:6] == [
+        "norm_fusion_1", "nvjet_sm90_a", "nvjet_sm90_b", "add_fusion_5", "nvjet_sm90_c",
+        "cutlass_splitk_reduce"]
+    # two passes in the trace: kernels that ran twice are anchors
+    twice = events + [{**e, "ts": e["ts"] + 100} for e in events]
+    resolved = roofline.resolve_kernel_names(twice, known, schedule, passes=2)
+    assert sum(e["name"] == "custom-call.6" for e in resolved) == 4
     # what stays unplaced is a GEMM all the same
     assert roofline.group_of("", "nvjet_sm90_a") == "gemm"
 
