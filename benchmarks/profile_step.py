@@ -15,7 +15,10 @@ roofline table (`roofline`) sums them by op group (attention, the QKV/O/MLP GEMM
 lm_head, the draft layers, the proposal, acceptance, sampling) with each group's bytes
 and FLOPs from the same HLO, and its achieved share of the copy bandwidth and matmul
 rate measured at the start of the run. The trace folder stays in `--trace-dir` for
-Perfetto or TensorBoard.
+Perfetto or TensorBoard. In a CUDA graph (XLA's default on a GPU) a cuBLAS kernel's event
+names the graph, not its GEMM: `roofline.resolve_kernel_names` places what the schedule
+allows and groups the rest as `gemm`; `--no-cuda-graphs` traces without the graphs, so
+each GEMM is named.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import argparse
 import collections
 import gzip
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -44,8 +48,25 @@ def parse_args(argv=None):
     p.add_argument("--hlo-out", default=None,
                    help="write each method's optimised decode HLO here (METHOD.hlo.txt.gz), "
                         "to read its kernels' instructions later")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="trace with XLA's command buffers (CUDA graphs) off: a cuBLAS "
+                        "kernel's event then names its own custom call, so every GEMM "
+                        "lands in its group (kernel times are the same; the gaps between "
+                        "them are not)")
     p.add_argument("--out", default=None, help="write the summary as JSON")
     return p.parse_args(argv)
+
+
+# XLA's flag for which ops run in command buffers; empty: none.
+NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="
+
+
+def without_cuda_graphs(environ) -> None:
+    """Add NO_COMMAND_BUFFERS to XLA_FLAGS in `environ`; read when JAX starts its GPU
+    backend, so before this process's first JAX computation."""
+    flags = environ.get("XLA_FLAGS", "").split()
+    if NO_COMMAND_BUFFERS not in flags:
+        environ["XLA_FLAGS"] = " ".join(flags + [NO_COMMAND_BUFFERS])
 
 
 def device_events(trace: dict) -> list[dict]:
@@ -135,6 +156,8 @@ def profile(method: str, model, config, args, trace_dir: Path, peaks: dict) -> d
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.no_cuda_graphs:
+        without_cuda_graphs(os.environ)
     context = args.context or args.prompt_len
     positions = context + 4 * (args.calls + 2) * args.steps_per_call + args.block_size
     trace_dir = Path(args.trace_dir or tempfile.mkdtemp(prefix="dspine-profile-"))

@@ -268,7 +268,9 @@ def resolve_kernel_names(events: list[dict], known, schedule: Schedule | None = 
     """Events named after the HLO instruction they ran: a library kernel (cuBLAS's
     `nvjet_*`, cuDNN's) is named after itself in a GPU trace, and its HLO instruction (the
     custom call whose op_name and costs are known) is in the event's `hlo_op` argument,
-    unless it ran in a CUDA graph, whose events name the command buffer. Those are placed
+    unless it ran in a CUDA graph, whose events name the command buffer. `hlo_op` also
+    names the instruction a shared kernel ran for (XLA compiles identical fusions to one
+    kernel, named after the first of them). Those are placed
     by `schedule`: on each stream, a run of library kernels between two anchors takes
     the library calls scheduled between those two, one kernel each in order (or all of
     them the one call, where only one lies between). An anchor is a kernel the schedule
@@ -279,7 +281,9 @@ def resolve_kernel_names(events: list[dict], known, schedule: Schedule | None = 
     out = []
     for e in events:
         hlo_op = e.get("args", {}).get("hlo_op")
-        if e["name"] not in known and hlo_op in known:
+        # hlo_op before the name: XLA compiles identical fusions (the target's and the
+        # drafter's layers at one width, say) to one kernel named after the first
+        if hlo_op in known and hlo_op.replace(".", "_") != e["name"].replace(".", "_"):
             e = {**e, "name": hlo_op, "kernel": e["name"]}
         out.append(e)
     if schedule is not None:

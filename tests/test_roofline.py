@@ -76,12 +76,17 @@ def test_library_kernels_are_named_after_their_hlo_instruction():
                "args": {"hlo_op": "custom-call.7"}},
               {"name": "gemm_fusion_dot.1", "dur": 10.0, "args": {"hlo_op": "fusion.3"}},
               {"name": "memcpy32_post", "dur": 1.0}]
+    # a kernel shared by identical fusions is named after the first: hlo_op says which
+    # one it ran for
+    names["gemm_fusion_dot.9"] = "jit(decode_rows)/while/body/mlp/dot_general"
+    events.append({"name": "gemm_fusion_dot_1", "dur": 30.0,
+                   "args": {"hlo_op": "gemm_fusion_dot.9"}})
     resolved = roofline.resolve_kernel_names(events, set(names) | set(costs))
     assert [e["name"] for e in resolved] == ["custom-call.7", "gemm_fusion_dot.1",
-                                             "memcpy32_post"]
+                                             "memcpy32_post", "gemm_fusion_dot.9"]
     peaks = {"copy_gb_s": 100.0, "matmul_tflop_s": 10.0}
     rows = {r["group"]: r for r in roofline.group_rows(resolved, 1, names, costs, peaks)}
-    assert rows["mlp"]["us_per_pass"] == 50 and rows["mlp"]["flops_per_pass"] == 2e9
+    assert rows["mlp"]["us_per_pass"] == 80 and rows["mlp"]["flops_per_pass"] == 2e9
     assert rows["qkv"]["us_per_pass"] == 10 and "other" in rows
 
 
@@ -151,3 +156,15 @@ def test_profile_step_counts_the_models_gemm_flops(tiny_llama_dir, tmp_path):
     mlp = 2 * block * layers * 3 * d * i            # the verify forward over the block
     assert groups["mlp"]["flops_per_pass"] == pytest.approx(mlp)
     assert groups["draft"]["flops_per_pass"] > 0 and groups["proposal"]["flops_per_pass"] > 0
+
+
+def test_no_cuda_graphs_adds_the_flag_once_and_keeps_the_others():
+    from dspine_benchmarks.profile_step import NO_COMMAND_BUFFERS, without_cuda_graphs
+
+    environ = {"XLA_FLAGS": "--xla_dump_to=/d"}
+    without_cuda_graphs(environ)
+    without_cuda_graphs(environ)
+    assert environ["XLA_FLAGS"].split() == ["--xla_dump_to=/d", NO_COMMAND_BUFFERS]
+    empty = {}
+    without_cuda_graphs(empty)
+    assert empty == {"XLA_FLAGS": NO_COMMAND_BUFFERS}
