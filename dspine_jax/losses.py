@@ -58,7 +58,8 @@ class LossConfig:
     # "fused" takes the CE, the label's rank and the target's log-normaliser straight from
     # the hidden states with `pallas_kernels.lm_head_stats` (a kernel on a GPU or TPU,
     # vocabulary chunks elsewhere; no [B, n, K, V] tensor), for a CE backbone with the
-    # refinement's candidates from the kernel; "auto": "fused" on a GPU for a CE backbone
+    # refinement's candidates from the kernel (on a GPU the same kernel, in the same pass
+    # over the lm_head as the stats); "auto": "fused" on a GPU for a CE backbone
     # and a drafter at most FUSED_MAX_HIDDEN wide, "dense" otherwise (`auto_logits`)
     logits: str = "auto"
     candidate_mass_threshold: float = 1e-4
@@ -196,8 +197,13 @@ def drafter_loss(config: LossConfig, drafter: BlockDrafter, out: DraftOutput, la
                          "forward_train(..., logits=True)")
     num_candidates = min(config.top_k, output_embedding.shape[0] if fused
                          else out.logits.shape[-1])
+    fused_candidates = None
     if fused:       # no [B, n, K, V] tensor: the statistics from the hidden states
-        lse, label_logit, rank = _slot_stats(out.hidden, output_embedding, labels)
+        # with the refinement's candidates from the same pass over the lm_head
+        lse, label_logit, rank, *top = _slot_stats(
+            out.hidden, output_embedding, labels,
+            top_k=num_candidates if config.refinement else 0)
+        fused_candidates = top[0] if top else None
         frozen = None
     else:
         # Every pass over [B, n, K, V] costs: the logits are read for their log-normaliser,
@@ -228,9 +234,9 @@ def drafter_loss(config: LossConfig, drafter: BlockDrafter, out: DraftOutput, la
     metrics["coverage"] = _mean_over(label_in, supervised, total)
 
     if config.refinement:
-        source = "kernel" if fused else config.candidates
-        candidates = refinement_candidates(source, frozen, out.hidden,
-                                           output_embedding, num_candidates)  # [B,n,K,C]
+        candidates = (fused_candidates if fused else          # [B, n, K, C]
+                      refinement_candidates(config.candidates, frozen, out.hidden,
+                                            output_embedding, num_candidates))
         rows = jnp.take(output_embedding, candidates, axis=0)          # [B, n, K, C, D]
         scores = drafter.transition_scores(out.pre_injection, teacher_tokens[..., None],
                                            rows, output_embedding)[..., 0, :]  # [B,n,K,C]
@@ -275,12 +281,14 @@ def drafter_loss(config: LossConfig, drafter: BlockDrafter, out: DraftOutput, la
     return share, metrics
 
 
-def _slot_stats(hidden, output_embedding, labels):
+def _slot_stats(hidden, output_embedding, labels, top_k: int = 0):
     """(lse, label_logit, rank) [B, n, K] of hidden [B, n, K, D] against the lm_head, by
-    `lm_head_stats` (differentiable in hidden)."""
+    `lm_head_stats` (differentiable in hidden); top_k > 0 adds the ids [B, n, K, top_k]
+    of each slot's largest logits (no gradient: the candidates are chosen, not learnt)."""
     lead, d = hidden.shape[:-1], hidden.shape[-1]
-    stats = lm_head_stats(hidden.reshape(-1, d), output_embedding, labels.reshape(-1))
-    return tuple(x.reshape(lead) for x in stats)
+    stats = lm_head_stats(hidden.reshape(-1, d), output_embedding, labels.reshape(-1),
+                          top_k=top_k)
+    return tuple(x.reshape(lead + x.shape[1:]) for x in stats)
 
 
 def refinement_candidates(source: str, frozen_logits, hidden, output_embedding, c: int):

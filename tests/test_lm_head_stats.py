@@ -131,6 +131,47 @@ def test_gradient_equals_the_dense_reference_under_jit():
     np.testing.assert_allclose(g1, g2, rtol=1e-4, atol=1e-6)
 
 
+def numpy_top_k(h, e, k):
+    """Float64 ids of the k largest logits, value descending, ties to the lower id."""
+    logits = np.asarray(h, np.float64) @ np.asarray(e, np.float64).T
+    return np.argsort(-logits, axis=1, kind="stable")[:, :k]
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_top_k_ids_come_with_unchanged_stats(implementation, case):
+    """top_k: the ids of the largest logits (exact ties to the lower id, as float64's
+    stable order) beside the same stats and the same gradient as without."""
+    h, e, labels, chunk = _inputs(case, integers=True, seed=3)
+    k = 16
+    *stats, ids = lm_head_stats(h, e, jnp.asarray(labels), implementation=implementation,
+                                chunk=chunk, interpret=implementation != "xla", top_k=k)
+    assert ids.shape == (h.shape[0], k) and ids.dtype == jnp.int32
+    np.testing.assert_array_equal(ids, numpy_top_k(h, e, k))
+    for got, want in zip(stats, run(implementation, h, e, labels, chunk)):
+        np.testing.assert_array_equal(got, want)
+
+    def lse_sum(x, top_k):
+        return jnp.sum(lm_head_stats(x, e, jnp.asarray(labels),
+                                     implementation=implementation, chunk=chunk,
+                                     interpret=implementation != "xla", top_k=top_k)[0])
+    np.testing.assert_array_equal(jax.grad(lse_sum)(h.astype(jnp.float32), k),
+                                  jax.grad(lse_sum)(h.astype(jnp.float32), 0))
+
+
+def test_gpu_kernel_with_top_k_lowers_for_cuda():
+    """The stats-and-top-k kernel lowers to Triton for a CUDA GPU from this CPU (what a GPU
+    compiles), at the SmolLM2 training loss's shape."""
+    h = jax.ShapeDtypeStruct((16384, 576), jnp.bfloat16)
+    e = jax.ShapeDtypeStruct((49152, 576), jnp.bfloat16)
+    labels = jax.ShapeDtypeStruct((16384,), jnp.int32)
+    lowered = jax.jit(lambda h, e, l: lm_head_stats(h, e, l, implementation="pallas_gpu",
+                                                    top_k=16)).trace(h, e, labels).lower(
+        lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert text.count("triton") >= 1 and "lm_head_stats_top_k" in text
+
+
 def test_auto_is_xla_on_cpu_and_bad_input_is_named():
     if jax.default_backend() != "cpu":
         pytest.skip("checks the CPU choice")
@@ -148,6 +189,8 @@ def test_auto_is_xla_on_cpu_and_bad_input_is_named():
         lm_head_stats(h, e, labels, chunk=0)
     with pytest.raises(ValueError, match="dtype"):
         lm_head_stats(h.astype(jnp.float16), e, labels)
+    with pytest.raises(ValueError, match="top_k must be an int in 0..V=4"):
+        lm_head_stats(h, e, labels, top_k=5)
 
 
 @pytest.mark.gpu
@@ -163,3 +206,8 @@ def test_gpu_kernel_compiled():
         np.testing.assert_array_equal(np.asarray(value, np.float64), want_value)
         np.testing.assert_array_equal(rank, want_rank)
         np.testing.assert_allclose(lse, want_lse, rtol=1e-6, atol=1e-4)
+        *stats, ids = lm_head_stats(h, e, jnp.asarray(labels), implementation="pallas_gpu",
+                                    top_k=16)
+        np.testing.assert_array_equal(ids, numpy_top_k(h, e, 16))
+        for got, want in zip(stats, (lse, value, rank)):
+            np.testing.assert_array_equal(got, want)

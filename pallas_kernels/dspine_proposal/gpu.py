@@ -93,10 +93,10 @@ def vocab_top_k_gpu(hidden, weight, k: int, *, interpret=False, block_r=None, bl
         interpret=interpret,
         name="vocab_top_k",
     )(h, weight)
-    return _combine(vals[:, :r], ids[:, :r], k)
+    return combine_top_k(vals[:, :r], ids[:, :r], k)
 
 
-def _combine(vals, ids, k):
+def combine_top_k(vals, ids, k):
     """Partials [S, R, KP] -> top-k [R, k], value descending, ties to the lower id."""
     s, r, kp = vals.shape
     vals = jnp.moveaxis(vals, 0, 1).reshape(r, s * kp)
