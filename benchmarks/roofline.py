@@ -270,8 +270,8 @@ def resolve_kernel_names(events: list[dict], known, schedule: Schedule | None = 
     custom call whose op_name and costs are known) is in the event's `hlo_op` argument,
     unless it ran in a CUDA graph, whose events name the command buffer. `hlo_op` also
     names the instruction a shared kernel ran for (XLA compiles identical fusions to one
-    kernel, named after the first of them). Those are placed
-    by `schedule`: on each stream, a run of library kernels between two anchors takes
+    kernel, named after the first of them). Library kernels in a graph are placed by
+    `schedule`: on each stream, a run of library kernels between two anchors takes
     the library calls scheduled between those two, one kernel each in order (or all of
     them the one call, where only one lies between). An anchor is a kernel the schedule
     holds that ran once a pass (`passes` in the trace): XLA names a kernel shared by

@@ -34,7 +34,7 @@ import numpy as np
 from dspine_benchmarks import hlo_names
 from dspine_benchmarks.profile_step import device_events, summarise, top_table
 from dspine_jax.data.shards import Sequence, write_manifest, write_shard
-from dspine_train.config import from_dict, load_config
+from dspine_train.config import TRAINING_ATTENTION, from_dict, load_config
 from dspine_train.trainer import train
 
 # The options --config replaces (it sets the drafter, the loss and the batch's shape).
@@ -87,9 +87,9 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--blocks", type=int, default=32)
-    p.add_argument("--target-attention", default="auto", choices=("auto", "xla", "cudnn"),
+    p.add_argument("--target-attention", default="auto", choices=TRAINING_ATTENTION,
                    help="the frozen target's attention (target.attention)")
-    p.add_argument("--drafter-attention", default="auto", choices=("auto", "xla", "cudnn"),
+    p.add_argument("--drafter-attention", default="auto", choices=TRAINING_ATTENTION,
                    help="the drafter's attention (drafter.attention)")
     p.add_argument("--candidates", default="auto", choices=("auto", "logits", "kernel"),
                    help="loss.candidates: the DSpine refinement's top-k from the logits or "

@@ -97,18 +97,10 @@ class Attention(nnx.Module):
         return (self._rotated_q(q, positions),) + self.rotated_kv(k, v, positions)
 
     def project_kv(self, x: jax.Array, positions: jax.Array):
-        """Keys and values of x alone: how drafters turn target features into context KV
-        (fused: a GEMM over the k and v rows of qkv_proj)."""
-        if self.fused:
-            nq = self._sizes[0]
-            w = self.qkv_proj.weight[...][nq:]
-            kv = jnp.einsum("...i,oi->...o", x, w)
-            if self.qkv_proj.bias is not None:
-                kv = kv + self.qkv_proj.bias[...][nq:]
-            k, v = jnp.split(kv, 2, axis=-1)
-        else:
-            k, v = self.k_proj(x), self.v_proj(x)
-        return self.rotated_kv(k, v, positions)
+        """Keys and values of x alone: how an unfused drafter turns target features into
+        context KV (a fused drafter projects every layer's at once:
+        `BlockDrafter.context_kvs`)."""
+        return self.rotated_kv(self.k_proj(x), self.v_proj(x), positions)
 
     def _rotated_q(self, q: jax.Array, positions: jax.Array) -> jax.Array:
         c = self.config

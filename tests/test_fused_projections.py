@@ -69,7 +69,7 @@ def test_fused_drafter_drafts_the_same_block_and_saves_the_same_tensors(tmp_path
     e_in, e_out = target.input_embedding(), target.output_embedding()
     blocks = []
     for drafter in (unfused, fused):
-        # extend_context runs project_kv alone (the k/v rows of the fused weight)
+        # extend_context projects the context alone (fused: context_kv_proj)
         ctx = drafter.extend_context(drafter.create_context(2, 32), feats, lengths)
         blocks.append(drafter.draft_block(anchors, ctx, e_in, e_out))
     np.testing.assert_allclose(blocks[1].logits, blocks[0].logits, rtol=0, atol=1e-6)

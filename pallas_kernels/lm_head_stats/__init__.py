@@ -9,7 +9,9 @@ hidden's dtype, products accumulated in float32), per row
     (near-ties within float32 rounding of the label's logit may count either way).
 With top_k = C > 0 it also returns the C largest logits' ids per row (value descending,
 ties to the lower id: `dspine_proposal.vocab_top_k`'s), from the same pass over the
-lm_head on a GPU. Differentiable in `hidden` through a custom VJP: d lse = softmax(logits) @ weight,
+lm_head on a GPU.
+
+Differentiable in `hidden` through a custom VJP: d lse = softmax(logits) @ weight,
 recomputed one vocabulary chunk at a time (one more product in place of storing the
 [R, V] logits and their gradient), d label_logit = weight[label]. The weight is a constant
 (the frozen lm_head of the drafters' target): no gradient reaches it.
