@@ -1,6 +1,7 @@
 """Why a drafter accepts what it accepts: per-slot accuracy, DSpine's chain head, gates per
-layer and what each layer already predicts, on the target's own greedy continuations of
-held-out ShareGPT prompts (data no drafter trained on).
+layer and what each layer already predicts (a logit lens: each layer's output through the
+final norm and the lm_head; for DSpine also its feature's nearest code), on the target's
+own greedy continuations of held-out ShareGPT prompts (data no drafter trained on).
 
     python -m dspine_benchmarks.drafter_diagnostics --drafter DIR [--drafter DIR ...] --out DIR
 
@@ -59,9 +60,19 @@ def teacher_forced(model, drafter, tokens: np.ndarray, anchors: np.ndarray):
     feats = model(toks, hidden_layer_ids=drafter.config.target_layer_ids,
                   return_logits=False).features()
     out = drafter.forward_train(toks, feats, jnp.asarray(anchors[None]),
-                                model.input_embedding(), model.output_embedding())
+                                model.input_embedding(), model.output_embedding(),
+                                keep_layers=True)
     k = drafter.config.block_size
     return out, tokens[anchors[:, None] + np.arange(1, k)]
+
+
+def logit_lens(drafter, out: DraftOutput, e_out) -> np.ndarray:
+    """Each layer's greedy prediction per slot [L, n, K-1]: its output through the final
+    norm and the lm_head, as if the drafter ended there (the last layer's is the base
+    head's)."""
+    final = drafter.norm(out.layers[:, 0, :, 1:])                       # [L, n, S, D]
+    return np.asarray(jnp.argmax(jnp.einsum("LnSD,VD->LnSV", final.astype(jnp.float32),
+                                            e_out.astype(jnp.float32)), -1))
 
 
 def diagnose(loaded, drafter, sequences, stride: int) -> dict:
@@ -70,6 +81,7 @@ def diagnose(loaded, drafter, sequences, stride: int) -> dict:
     k = drafter.config.block_size
     spine = drafter.config.dspine is not None
     base_hits, chain_hits, base_tau, chain_tau, layer_hits, gates = [], [], [], [], [], []
+    lens_hits = []
     codes = drafter.code_table(e_out) if spine else None                # [V, r]
     for tokens, prompt_len in sequences:
         anchors = np.arange(prompt_len, len(tokens) - k + 1, stride, dtype=np.int32)
@@ -79,6 +91,7 @@ def diagnose(loaded, drafter, sequences, stride: int) -> dict:
         base = base_tokens(out)                                          # [n, S]
         base_hits.append(base == labels)
         base_tau.append(accepted(base, labels))
+        lens_hits.append(logit_lens(drafter, out, e_out) == labels[None])    # [L, n, S]
         if spine:
             chain = chain_tokens(drafter, out, tokens[anchors], e_out)
             chain_hits.append(chain == labels)
@@ -95,7 +108,10 @@ def diagnose(loaded, drafter, sequences, stride: int) -> dict:
     report = {"blocks": int(sum(len(h) for h in base_hits)),
               "base_slot_accuracy": np.concatenate(base_hits).mean(0).tolist(),
               "base_prefix_survival": survival(base_tau),
-              "base_tau": float(np.concatenate(base_tau).mean())}
+              "base_tau": float(np.concatenate(base_tau).mean()),
+              # [L][S]: slot s's accuracy of layer l's logit lens
+              "layer_lens_slot_accuracy": np.concatenate(lens_hits, 1).mean(1).tolist(),
+              "layer_lens_accuracy": np.concatenate(lens_hits, 1).mean((1, 2)).tolist()}
     if spine:
         report.update(
             chain_slot_accuracy=np.concatenate(chain_hits).mean(0).tolist(),
@@ -139,7 +155,7 @@ def plot(reports: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 4, figsize=(19, 4))
+    fig, axes = plt.subplots(1, 5, figsize=(24, 4))
     for name, rep in reports.items():
         slots = np.arange(1, len(rep["base_slot_accuracy"]) + 1)
         for head in ("base", "chain"):
@@ -148,16 +164,21 @@ def plot(reports: dict, path: Path) -> None:
                 axes[0].plot(slots, rep[f"{head}_slot_accuracy"], marker="o", label=label)
                 axes[1].plot(slots, rep[f"{head}_prefix_survival"], marker="o",
                              label=f"{label} (tau {rep[f'{head}_tau']:.2f})")
+        if "layer_lens_accuracy" in rep:
+            axes[2].plot(np.arange(len(rep["layer_lens_accuracy"])),
+                         rep["layer_lens_accuracy"], marker="o", label=name)
         if "layer_code_accuracy" in rep:
             layers = np.arange(len(rep["layer_code_accuracy"]))
-            axes[2].bar(layers, rep["layer_code_accuracy"])
-            axes[3].bar(layers, rep["gate_mean_per_layer"])
+            axes[3].plot(layers, rep["layer_code_accuracy"], marker="o", label=name)
+            axes[4].plot(layers, rep["gate_mean_per_layer"], marker="o", label=name)
     axes[0].set(title="per-slot accuracy (teacher-forced)", xlabel="block slot", ylim=(0, 1))
     axes[1].set(title="P(slots 1..s all accepted)", xlabel="s", ylim=(0, 1))
-    for ax in axes[:2]:
-        ax.legend()
-    axes[2].set(title="DSpine: layer feature's nearest code = label", xlabel="draft layer")
-    axes[3].set(title="DSpine: mean gate per layer", xlabel="draft layer", ylim=(0, 1))
+    axes[2].set(title="logit lens: layer's argmax = label (slots 1..)", xlabel="draft layer")
+    axes[3].set(title="DSpine: layer feature's nearest code = label", xlabel="draft layer")
+    axes[4].set(title="DSpine: mean gate per layer", xlabel="draft layer", ylim=(0, 1))
+    for ax in axes:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -278,3 +278,30 @@ def test_einsum_f32_gradients_run_in_the_operands_dtype():
     ref = jax.grad(lambda x: jnp.sum(jnp.einsum("TQD,VD->TQV", x, b) * g))(a)
     np.testing.assert_allclose(jax.grad(lambda x: jnp.sum(einsum_f32("TQD,VD->TQV", x, b) * g))(a),
                                ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspine"])
+def test_logit_lens_reads_each_layer_through_the_final_norm_and_lm_head(target, kind):
+    """keep_layers returns every layer's output (the last, normed, is the base head's
+    hidden state); the diagnostics' logit lens of each layer equals a float64 RMSNorm and
+    lm_head over it, and its last layer is the base head's argmax."""
+    from dspine_benchmarks.drafter_diagnostics import logit_lens
+    drafter = make(target, kind)
+    # a norm weight that reorders the logits: a lens that skips the norm must fail
+    drafter.norm.weight[...] = jax.random.normal(jax.random.key(3), (64,))
+    feats = features(target, drafter, TOKENS)
+    e_out = target.output_embedding()
+    args = (TOKENS, feats, ANCHORS, target.input_embedding(), e_out)
+    assert drafter.forward_train(*args).layers is None
+    out = drafter.forward_train(*args, keep_layers=True)
+    assert out.layers.shape == (2, 2, 3, K, 64)
+    np.testing.assert_allclose(drafter.norm(out.layers[-1]), out.hidden, rtol=1e-5, atol=1e-5)
+    lens = logit_lens(drafter, out, e_out)                          # row 0: [L, n, K-1]
+    h = np.asarray(out.layers[:, 0, :, 1:], np.float64)
+    normed = h / np.sqrt(np.mean(h * h, -1, keepdims=True) + drafter.norm.eps)
+    normed = normed * np.asarray(drafter.norm.weight[...], np.float64)
+    want = np.argmax(normed @ np.asarray(e_out, np.float64).T, -1)
+    np.testing.assert_array_equal(lens, want)
+    np.testing.assert_array_equal(lens[-1], np.argmax(np.asarray(out.logits[0, :, 1:]), -1))
+    if kind == "dspine":    # injection moves the layers apart (a lens that reads one fails)
+        assert (lens[0] != lens[-1]).any()

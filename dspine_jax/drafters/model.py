@@ -52,6 +52,9 @@ class DraftOutput:
     pre_injection: jax.Array | None   # [B, n, K, D] last layer, before its injection (DSpine)
     features: jax.Array | None        # [L, B, n, K, r] phi_l after each injection (DSpine)
     gates: jax.Array | None           # [L] mean gate value per layer (DSpine)
+    # [L, B, n, K, D] each layer's output (after its injection), before the final norm:
+    # only when asked for (a logit lens in diagnostics)
+    layers: jax.Array | None = None
     # inference: the context cache with this block's keys/values written past its
     # length (lengths unchanged); carry it on so the pools are updated in place
     context: PagedKVCache | None = None
@@ -207,16 +210,18 @@ class BlockDrafter(nnx.Module):
         return "causal_block" if self.config.causal_block else "bidirectional_block"
 
     def _run(self, x, metadata, attention, ctx, anchor_tokens, output_embedding,
-             teacher_tokens=None, replace=None, replace_layers=0, with_logits=True):
+             teacher_tokens=None, replace=None, replace_layers=0, with_logits=True,
+             keep_layers=False):
         """The layer stack. x [B, n, K, D]; metadata for the n*K block queries; ctx: per
         layer the context (pages, or dense (k, v)).
 
         teacher_tokens [B, n, K]: the true predecessor of each slot (training only);
         replace [B, n] bool: blocks whose first `replace_layers` layers take those instead
-        of predictions. -> (DraftOutput, per layer ctx after the call)."""
+        of predictions; keep_layers: return every layer's output too.
+        -> (DraftOutput, per layer ctx after the call)."""
         b, n, k, d = x.shape
         h = x
-        pre_injection, features, gates, new_ctx = None, [], [], []
+        pre_injection, features, gates, new_ctx, layers = None, [], [], [], []
         for i, layer in enumerate(self.layers):
             h, layer_ctx = layer.draft(h.reshape(b, n * k, d), metadata, attention, ctx[i])
             new_ctx.append(layer_ctx)
@@ -229,13 +234,16 @@ class BlockDrafter(nnx.Module):
                                            replace)
                     gates.append(jnp.mean(gate[:, :, 1:]))
                 features.append(self.injection.feature(i, h))
+            if keep_layers:
+                layers.append(h)
         final = self.norm(h)
         logits = (einsum_f32("BnKD,VD->BnKV", final, output_embedding.astype(final.dtype))
                   if with_logits else None)
         return DraftOutput(
             logits=logits, hidden=final, pre_injection=pre_injection,
             features=jnp.stack(features) if features else None,
-            gates=jnp.stack(gates) if gates else None), new_ctx
+            gates=jnp.stack(gates) if gates else None,
+            layers=jnp.stack(layers) if layers else None), new_ctx
 
     def _inject(self, layer, h, anchor_tokens, output_embedding, teacher_tokens, replace):
         """Gated adjacent injection after `layer` for slots 1..K-1 of every block."""
@@ -254,13 +262,14 @@ class BlockDrafter(nnx.Module):
     def forward_train(self, tokens, features, anchors, input_embedding, output_embedding,
                       *, replace=None, replace_layers=0,
                       attention: AttentionBackend | None = None,
-                      logits: bool = True) -> DraftOutput:
+                      logits: bool = True, keep_layers: bool = False) -> DraftOutput:
         """All blocks of each sequence in one pass.
 
         tokens [B, T]; features [B, T, F] target features at every position; anchors
         [B, n] block start positions. Block j covers anchors[j] .. anchors[j] + K - 1 and
         sees context positions < anchors[j]. logits=False leaves out the [B, n, K, V]
-        logits (a loss that reads only the final hidden states)."""
+        logits (a loss that reads only the final hidden states); keep_layers=True returns
+        every layer's output too (`DraftOutput.layers`, a logit lens)."""
         b, t = tokens.shape
         k = self.config.block_size
         fused = self.fuse(features)
@@ -277,7 +286,7 @@ class BlockDrafter(nnx.Module):
                            output_embedding,
                            teacher_tokens=predecessor_tokens(tokens, anchors, k),
                            replace=replace, replace_layers=replace_layers,
-                           with_logits=logits)
+                           with_logits=logits, keep_layers=keep_layers)
         return out
 
     # ----- inference --------------------------------------------------------------------------
