@@ -96,8 +96,9 @@ def speculation(default: str = "adaptive"):
         help="Speculative decoding only: how many drafted tokens each pass verifies. "
              "adaptive: per call, the width (0, 1, 3, 7 or 15) with the most expected "
              "tokens/s from the costs and acceptance measured so far (kept per device in "
-             "the cache folder); fixed: every pass the whole block (a seed reproduces its "
-             f"sample); off: plain AR steps. Default: {default}.")
+             "the cache folder; a sampled row with a seed, as every offline prompt has, "
+             "runs the whole block so that its seed reproduces it); fixed: every pass the "
+             f"whole block; off: plain AR steps. Default: {default}.")
 
 
 def passes_per_call():
