@@ -223,9 +223,12 @@ def main(argv=None) -> None:
     prompts = heldout_prompts(ar, args.prompts, args.max_prompt_tokens)
     sequences = continuations(ar, prompts, args.max_new_tokens)
     reports = {}
+    base = [Path(f).name for f in args.drafter]     # two runs' `drafter` folders: named
+    names = {f: f"{Path(f).parent.name}/{b}" if base.count(b) > 1 else b   # by their runs
+             for f, b in zip(args.drafter, base)}
     for folder in args.drafter:
         drafter = load_drafter(resolve_drafter(folder), dtype=loaded.model.dtype)
-        name = Path(folder).name
+        name = names[folder]
         reports[name] = diagnose(loaded, drafter, sequences, args.stride)
         pipe = Pipeline.from_loaded(loaded, folder, speculation=SpeculationConfig("fixed"))
         reports[name]["engine_check"] = engine_check(pipe, drafter, prompts,
