@@ -9,6 +9,13 @@
 #
 # Environment knobs (defaults):
 #   RUNS=runs  DATA=$RUNS/data/sharegpt-all  PROMPTS= (all)  TEMPERATURES=0,0.7,1  SAMPLES=1
+#   SOURCE= (the ShareGPT package, every turn; or a prompts file of
+#   `python -m dspine_train.prompt_file`, which already holds every turn, for a host without
+#   the package)
+#   INIT_FROM= ("KIND=DIR ...": that kind's first link starts from the exported drafter in
+#   DIR, a fresh optimizer and schedule, e.g.
+#   dflash=dspine_jax/assets/drafters/smollm2-135m-instruct-dflash continues the shipped
+#   drafter; later links resume the chain's full state)
 #   MAX_NEW=1024  MAX_PROMPT=512  REGEN_BATCH=1024 (slots)  SHARD=512
 #   NUM_PAGES= (the shared KV page pool; default every slot at MAX_PROMPT + MAX_NEW, never
 #   preempted)
@@ -25,6 +32,8 @@ cd "$(dirname "$0")/.."
 RUNS=${RUNS:-runs}
 DATA=${DATA:-$RUNS/data/sharegpt-all}
 PROMPTS=${PROMPTS:-}
+SOURCE=${SOURCE:-}
+INIT_FROM=${INIT_FROM:-}
 TEMPERATURES=${TEMPERATURES:-0,0.7,1}
 SAMPLES=${SAMPLES:-1}
 MAX_NEW=${MAX_NEW:-1024}
@@ -49,7 +58,9 @@ TEMPS=${TEMPS:-"0 1"}
 source train/smollm2_common.sh
 
 stage_data() {
-  timed data dspine data regenerate --out "$DATA" --turns all ${PROMPTS:+--limit "$PROMPTS"} \
+  local source=(--turns all)
+  [[ -n $SOURCE ]] && source=(--source "$SOURCE")
+  timed data dspine data regenerate --out "$DATA" "${source[@]}" ${PROMPTS:+--limit "$PROMPTS"} \
     --temperatures "$TEMPERATURES" --samples-per-prompt "$SAMPLES" \
     --max-new-tokens "$MAX_NEW" --max-prompt-tokens "$MAX_PROMPT" \
     --batch-size "$REGEN_BATCH" --shard-size "$SHARD" \
@@ -62,11 +73,20 @@ summary_field() {  # summary_field RUN_DIR KEY: a field of the run's summary.jso
     "$1/summary.json" "$2"
 }
 
+init_of() {  # init_of KIND: the weights INIT_FROM gives KIND's first link, if any
+  local pair
+  for pair in $INIT_FROM; do
+    [[ ${pair%%=*} == "$1" ]] && { echo "${pair#*=}"; return; }
+  done
+  return 0
+}
+
 stage_train() {
-  local kind spec config link dir prev calls=0 links
+  local kind spec config link dir prev init calls=0 links
   for kind in $KINDS; do
     spec=($(config_of "$kind"))
     config=${spec[0]}
+    init=$(init_of "$kind")
     prev=""
     link=1
     while :; do
@@ -83,7 +103,8 @@ stage_train() {
       timed "train-$kind-link-$link" dspine train --config "$config" "${extra[@]}" \
         --set "data.path=$DATA" --set "data.seq_len=$SEQ_LEN" --set "run.batch_size=$BATCH" \
         --set "run.out=$dir" --set "run.steps=$STEPS" --set "run.stop_after=$LINK" \
-        --set "run.max_seconds=$LINK_SECONDS" ${prev:+--resume-from "$prev"}
+        --set "run.max_seconds=$LINK_SECONDS" ${prev:+--resume-from "$prev"} \
+        $([[ -z $prev && -n $init ]] && echo --init-from "$init")
       calls=$((calls + 1))
     done
     links=$(seq -f "$RUNS/scale-$kind/link-%g" 1 "$link")
