@@ -458,10 +458,11 @@ def train(
         None, "--resume-from", metavar="RUN_DIR",
         help="Continue another run folder's latest checkpoint (weights, optimizer, step, "
              "data position) in this run.out: the next link of a chain (run.resume_from)."),
-    init_from: Optional[Path] = typer.Option(
-        None, "--init-from", metavar="DIR",
-        help="Start from the weights alone of a run folder (its latest checkpoint) or an "
-             "exported drafter: fresh optimizer, step 0 (drafter.init_from)."),
+    init_from: Optional[str] = typer.Option(
+        None, "--init-from", metavar="DIR|NAME",
+        help="Start from the weights alone of a run folder (its latest checkpoint), an "
+             "exported drafter or a built-in drafter's name: fresh optimizer, step 0 "
+             "(drafter.init_from)."),
     distributed: bool = typer.Option(False, "--distributed",
                                      help="Multi-process (TPU pod, multi-host, or one process "
                                           "per GPU): call jax.distributed.initialize() first."),

@@ -139,3 +139,26 @@ def test_a_chain_link_moves_to_two_devices(chain, tmp_path):
         tol = dict(rtol=5e-3, atol=1e-4) if key.startswith("transfer_") else \
             dict(rtol=2e-4, atol=1e-5)
         np.testing.assert_allclose(two[key], one[key], err_msg=key, **tol)
+
+
+def test_init_from_takes_a_built_in_drafter_name_and_checks_it_before_the_target_loads(
+        chain, tmp_path, monkeypatch):
+    """--init-from NAME reads a built-in drafter (here the shipped SmolLM2 one, which does
+    not fit this tiny target: the mismatch is named); a name that is neither built in nor
+    a folder is refused before the target loads."""
+    from dspine_train import trainer
+
+    (tmp_path / "w.toml").write_text(config_text(chain, tmp_path / "out", steps=2))
+    built_in = run_cli("train", "--config", str(tmp_path / "w.toml"), "--init-from",
+                       "smollm2-135m-instruct-dflash")
+    assert built_in.exit_code == 2, built_in.output
+    assert "drafter hidden_size is 576, the target's is 64" in built_in.output
+
+    def no_target(*_, **__):
+        raise AssertionError("loaded the target before checking --init-from")
+
+    monkeypatch.setattr(trainer, "load_target", no_target)
+    missing = run_cli("train", "--config", str(tmp_path / "w.toml"), "--init-from",
+                      "no-such-drafter")
+    assert missing.exit_code == 2
+    assert "'no-such-drafter' is neither a built-in name" in missing.output

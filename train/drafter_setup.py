@@ -13,6 +13,7 @@ from dspine_jax.drafters.checkpoint import load_drafter, read_drafter_config
 from dspine_jax.drafters.config import DrafterConfig, mask_token_for
 from dspine_jax.drafters.model import BlockDrafter
 from dspine_jax.losses import LossConfig
+from dspine_jax.registry import resolve_drafter
 from dspine_train.config import TrainConfig
 
 
@@ -23,10 +24,11 @@ def is_run_folder(path: str | Path) -> bool:
 
 def drafter_config(cfg: TrainConfig, target) -> DrafterConfig:
     """The drafter a config describes (read from init_from when it names an exported
-    drafter; a run folder's weights must fit the config's own architecture)."""
+    drafter, a folder or a built-in name; a run folder's weights must fit the config's own
+    architecture)."""
     d = cfg.drafter
     if d.init_from and not is_run_folder(d.init_from):
-        config = read_drafter_config(Path(d.init_from))
+        config = read_drafter_config(resolve_drafter(d.init_from))
         config.check_target(target.config)
         return config
     spine = cfg.dspine
@@ -41,7 +43,7 @@ def build_drafter(cfg: TrainConfig, target) -> BlockDrafter:
     """The drafter to train: an exported drafter's weights, or fresh (a run folder's
     weights are restored into it by the trainer)."""
     if cfg.drafter.init_from and not is_run_folder(cfg.drafter.init_from):
-        drafter = load_drafter(Path(cfg.drafter.init_from), dtype=jnp.float32)
+        drafter = load_drafter(resolve_drafter(cfg.drafter.init_from), dtype=jnp.float32)
         drafter.config.check_target(target.config)
         return drafter
     return BlockDrafter.create(drafter_config(cfg, target), target.model.output_embedding(),

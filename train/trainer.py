@@ -38,6 +38,7 @@ from dspine_jax.checkpoints import load_target, resolve_dtype
 from dspine_jax.data.shards import read_manifest
 from dspine_jax.drafters.checkpoint import save_drafter
 from dspine_jax.errors import ConfigError
+from dspine_jax.registry import resolve_drafter
 from dspine_train import sharding
 from dspine_train.checkpoints import Checkpoints
 from dspine_train.config import TrainConfig
@@ -79,6 +80,8 @@ def train(cfg: TrainConfig, *, progress: bool = True, trace_dir: Path | None = N
                                           "target.attention")
     drafter_attention = training_attention(cfg.drafter.attention, compute_dtype,
                                            "drafter.attention")
+    if cfg.drafter.init_from and not is_run_folder(cfg.drafter.init_from):
+        resolve_drafter(cfg.drafter.init_from)    # a name or folder that exists, or an error
 
     loaded = load_target(cfg.target.name, dtype=cfg.target.dtype)
     manifest = read_manifest(Path(cfg.data.path))
