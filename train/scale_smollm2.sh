@@ -82,7 +82,7 @@ init_of() {  # init_of KIND: the weights INIT_FROM gives KIND's first link, if a
 }
 
 stage_train() {
-  local kind spec config link dir prev init calls=0 links
+  local kind spec config link dir prev init extra start calls=0 links
   for kind in $KINDS; do
     spec=($(config_of "$kind"))
     config=${spec[0]}
@@ -98,13 +98,14 @@ stage_train() {
       if (( LINKS_PER_CALL > 0 && calls >= LINKS_PER_CALL )); then
         echo "scale-$kind: $calls links run in this call; rerun to continue"; return
       fi
-      extra=()
+      extra=() start=()   # start: the previous link's full state, or INIT_FROM's weights
       for kv in "${spec[@]:1}" $TRAIN_SET; do extra+=(--set "$kv"); done
+      if [[ -n $prev ]]; then start=(--resume-from "$prev")
+      elif [[ -n $init ]]; then start=(--init-from "$init"); fi
       timed "train-$kind-link-$link" dspine train --config "$config" "${extra[@]}" \
         --set "data.path=$DATA" --set "data.seq_len=$SEQ_LEN" --set "run.batch_size=$BATCH" \
         --set "run.out=$dir" --set "run.steps=$STEPS" --set "run.stop_after=$LINK" \
-        --set "run.max_seconds=$LINK_SECONDS" ${prev:+--resume-from "$prev"} \
-        $([[ -z $prev && -n $init ]] && echo --init-from "$init")
+        --set "run.max_seconds=$LINK_SECONDS" "${start[@]}"
       calls=$((calls + 1))
     done
     links=$(seq -f "$RUNS/scale-$kind/link-%g" 1 "$link")
