@@ -113,11 +113,13 @@ def test_ops_match_float64(implementation, rows):
 
 
 @pytest.mark.parametrize("tiles", [dict(block_d=128, block_n=16, num_stages=2),
+                                   dict(block_d=64, block_n=16),
                                    dict(block_d=32, block_n=16, num_warps=2)],
-                         ids=["wide-masked-chunks", "narrow-chunks"])
+                         ids=["wider-than-d", "chunk-and-tail", "narrow-chunks"])
 def test_tile_choices_compute_the_same(tiles):
-    """The GPU kernels' tile options (interpret mode): input chunks wider than D = 96
-    (masked past it) or narrower, against float64."""
+    """The GPU kernels' tile options (interpret mode), against float64: input chunks
+    wider than D = 96 and F = 80 (pieces 64 + 32 and 64 + 16), one 64-wide chunk then a
+    tail piece, or 32-wide chunks (F's last 16 a tail piece)."""
     from pallas_kernels.decode_layer import gpu
 
     i = _inputs(5)
@@ -134,6 +136,27 @@ def test_tile_choices_compute_the_same(tiles):
     np.testing.assert_allclose(_f64(got), np_residual(i), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="block_n must be a power of two"):
         gpu.matmul_residual_gpu(i["a"], i["wd"], i["x"], interpret=True, block_n=24)
+
+
+def test_input_pieces_cover_the_width_in_aligned_blocks():
+    from pallas_kernels.decode_layer.gpu import input_pieces
+
+    assert input_pieces(576, 512) == (1, ((512, 64),))
+    assert input_pieces(576, 64) == (9, ())
+    assert input_pieces(1536, 1024) == (1, ((1024, 512),))
+    assert input_pieces(80, 128) == (0, ((0, 64), (64, 16)))
+    for d in range(16, 2049, 16):
+        for bd in (16, 64, 128, 512):
+            n, tail = input_pieces(d, bd)
+            offset = n * bd
+            for start, width in tail:
+                assert start == offset and start % width == 0 and width & (width - 1) == 0
+                offset += width
+            assert offset == d
+    with pytest.raises(ValueError, match="multiple of 16"):
+        input_pieces(100, 64)
+    with pytest.raises(ValueError, match="power of two"):
+        input_pieces(96, 48)
 
 
 def _steps_apart(got, want, dtype=jnp.bfloat16):

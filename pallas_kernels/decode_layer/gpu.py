@@ -15,11 +15,12 @@ fold the element-wise work into the matmuls that need it:
   matmul_residual a @ W^T + residual (the attention's output projection, the MLP's down)
 
 The grid is (ceil(R / BR), output tiles): program (i, j) owns BR rows and one tile of
-output columns, reads its slice of the weights once in BD-wide chunks (float32
-accumulation) and recomputes the row norm it needs (a pass over BR x D activations,
-trivial beside its weight slice). A head's two RoPE halves are two [BR, H/2] tiles of one
-program, so the rotation and a per-head norm happen in registers. Rows past R are read
-clamped to R - 1 and never stored.
+output columns, reads its slice of the weights once (float32 accumulation) and
+recomputes the row norm it needs (a pass over BR x D activations, trivial beside its
+weight slice). The input width is walked in BD-wide chunks, then its remainder in whole
+power-of-two pieces (`input_pieces`), so no load is masked. A head's two RoPE halves are
+two [BR, H/2] tiles of one program, so the rotation and a per-head norm happen in
+registers. Rows past R are read clamped to R - 1 and never stored.
 
 Compiled and timed only where a CUDA GPU is present (tests marked `gpu`); elsewhere the
 tests run them in Pallas interpret mode (see ragged_paged_attention/gpu.py for why these
@@ -46,6 +47,23 @@ def default_block_d(d: int) -> int:
     return next(b for b in (64, 32, 16) if d % b == 0)
 
 
+def input_pieces(d: int, bd: int) -> tuple[int, tuple[tuple[int, int], ...]]:
+    """How a program walks an input width D: (n, tail) with n chunks of BD in a loop,
+    then the rest as (offset, width) pieces of descending powers of two (576 with BD 512:
+    one chunk, then (512, 64)). Every load is then a whole aligned block, none masked:
+    Triton tiles are powers of two, and a masked load of the columns past D is a gather."""
+    if bd < 16 or bd & (bd - 1):
+        raise ValueError(f"block_d must be a power of two >= 16, got {bd}")
+    if d % 16:
+        raise ValueError(f"the input width must be a multiple of 16, got {d}")
+    n, offset, tail = d // bd, d // bd * bd, []
+    while offset < d:
+        width = 1 << ((d - offset).bit_length() - 1)
+        tail.append((offset, width))
+        offset += width
+    return n, tuple(tail)
+
+
 def default_block_n(o: int) -> int:
     """Output columns per program: 32 where it divides O (twice the programs of 64, so a
     576-wide output still spreads its weights over 18 multiprocessors), else 16 or 64."""
@@ -59,27 +77,30 @@ def _check_tiles(op: str, out: int, bn: int) -> None:
 
 
 def _chunk(ref, rows, d0, bd):
-    """ref[rows, d0 : d0 + BD] of a [*, D] ref: a block load where BD divides D, else a
-    masked load whose columns past D read as zeros (so they add nothing to a dot or a sum
-    of squares). rows: [n] row indices, or a contiguous `pl.ds` of them."""
-    d = ref.shape[-1]
-    if d % bd == 0:
-        return ref[rows, pl.ds(pl.multiple_of(d0, bd), bd)]
-    if not isinstance(rows, jax.Array):         # a pl.ds: its row indices
-        rows = rows.start + jnp.arange(rows.size, dtype=jnp.int32)
-    cols = d0 + jnp.arange(bd, dtype=jnp.int32)
-    inside = jnp.broadcast_to(cols[None, :] < d, (rows.shape[0], bd))
-    return pltriton.load(ref.at[rows[:, None], jnp.minimum(cols, d - 1)[None, :]],
-                         mask=inside, other=0)
+    """ref[rows, d0 : d0 + BD] of a [*, D] ref (d0 a multiple of BD: see `input_pieces`).
+    rows: [n] row indices, or a contiguous `pl.ds` of them."""
+    return ref[rows, _aligned(d0, bd)]
 
 
 def _vector_chunk(ref, d0, bd):
-    """ref[d0 : d0 + BD] of a [D] ref, zeros past D."""
-    d = ref.shape[0]
-    if d % bd == 0:
-        return ref[pl.ds(pl.multiple_of(d0, bd), bd)]
-    cols = d0 + jnp.arange(bd, dtype=jnp.int32)
-    return pltriton.load(ref.at[jnp.minimum(cols, d - 1)], mask=cols < d, other=0)
+    """ref[d0 : d0 + BD] of a [D] ref."""
+    return ref[_aligned(d0, bd)]
+
+
+def _aligned(d0, bd):
+    """pl.ds(d0, BD), d0 a multiple of BD: a Python int (a tail piece) or traced (a loop's)."""
+    return pl.ds(d0 if isinstance(d0, int) else pl.multiple_of(d0, bd), bd)
+
+
+def _walk(d, bd, piece, carry):
+    """carry after piece(d0, width, carry) over D's `input_pieces`: the BD-wide chunks in
+    a loop, then the tail pieces unrolled."""
+    n, tail = input_pieces(d, bd)
+    if n:                                   # (a chunk wider than D is never traced)
+        carry = lax.fori_loop(0, n, lambda j, c: piece(j * bd, bd, c), carry)
+    for d0, width in tail:
+        carry = piece(d0, width, carry)
+    return carry
 
 
 def _rows(r: int):
@@ -100,36 +121,35 @@ def _inverse_rms(x_ref, rows, eps, bd):
     """[BR] float32 1 / rms of the program's rows of x [R, D]."""
     d = x_ref.shape[1]
 
-    def chunk(j, total):
-        xs = _chunk(x_ref, rows, j * bd, bd).astype(jnp.float32)
+    def piece(d0, width, total):
+        xs = _chunk(x_ref, rows, d0, width).astype(jnp.float32)
         return total + jnp.sum(xs * xs, axis=1)
 
-    total = lax.fori_loop(0, pl.cdiv(d, bd), chunk, jnp.zeros((BLOCK_R,), jnp.float32))
+    total = _walk(d, bd, piece, jnp.zeros((BLOCK_R,), jnp.float32))
     return lax.rsqrt(total / d + eps)
 
 
 def _project(x_ref, rows, w_slices, bd, precision, norm=None):
     """The [BR, BN] float32 products of the rows of x [R, D] (rms-normed first when
     norm = (weight_ref, inverse_rms [BR])) with each (weight ref [O, D], first output
-    column, BN): one pass over D in BD-wide chunks (the last one masked where BD does not
-    divide D), every weight slice read once."""
+    column, BN): one pass over D in the pieces of `input_pieces`, every weight slice read
+    once."""
     d = x_ref.shape[1]
     dtype = x_ref.dtype
 
-    def chunk(j, accs):
-        d0 = j * bd
-        xs = _chunk(x_ref, rows, d0, bd)                               # [BR, BD]
+    def piece(d0, width, accs):
+        xs = _chunk(x_ref, rows, d0, width)                            # [BR, width]
         if norm is not None:
             weight_ref, inverse = norm
             xs = ((xs.astype(jnp.float32) * inverse[:, None]).astype(dtype)
-                  * _vector_chunk(weight_ref, d0, bd).astype(dtype)[None, :])
+                  * _vector_chunk(weight_ref, d0, width).astype(dtype)[None, :])
         return tuple(
-            acc + pltriton.dot(xs, _chunk(w_ref, pl.ds(c0, bn), d0, bd).astype(dtype),
+            acc + pltriton.dot(xs, _chunk(w_ref, pl.ds(c0, bn), d0, width).astype(dtype),
                                trans_b=True, precision=precision)
             for acc, (w_ref, c0, bn) in zip(accs, w_slices))
 
     zeros = tuple(jnp.zeros((BLOCK_R, bn), jnp.float32) for _, _, bn in w_slices)
-    return lax.fori_loop(0, pl.cdiv(d, bd), chunk, zeros)
+    return _walk(d, bd, piece, zeros)
 
 
 def _qkv_kernel(x_ref, norm_ref, wq_ref, wk_ref, wv_ref, cos_ref, sin_ref, qn_ref, kn_ref,
