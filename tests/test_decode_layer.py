@@ -159,6 +159,29 @@ def test_input_pieces_cover_the_width_in_aligned_blocks():
         input_pieces(96, 48)
 
 
+@pytest.mark.parametrize("block_d", [64, 1024])
+def test_gpu_kernels_lower_for_cuda(block_d):
+    """The three kernels lower to Triton for a CUDA GPU from this CPU (what a GPU compiles)
+    at SmolLM2's shapes, 8 rows: 576 in 64-wide chunks, or (BD 1024) as pieces 512 + 64
+    and 1,536 as one chunk and a 512 piece."""
+    from pallas_kernels.decode_layer import gpu
+
+    bf16 = jnp.bfloat16
+    spec = jax.ShapeDtypeStruct
+    x, norm = spec((8, 576), bf16), spec((576,), bf16)
+    wq, wkv, rope = spec((576, 576), bf16), spec((192, 576), bf16), spec((8, 32), jnp.float32)
+    w_up, w_down, a = spec((1536, 576), bf16), spec((576, 1536), bf16), spec((8, 1536), bf16)
+    calls = [(lambda *t: gpu.norm_qkv_rope_gpu(*t, eps=EPS, block_d=block_d),
+              (x, norm, wq, wkv, wkv, rope, rope), "norm_qkv_rope"),
+             (lambda *t: gpu.norm_swiglu_gpu(*t, eps=EPS, block_d=block_d),
+              (x, norm, w_up, w_up), "norm_swiglu"),
+             (lambda *t: gpu.matmul_residual_gpu(*t, block_d=block_d),
+              (a, w_down, x), "matmul_residual")]
+    for fn, args, name in calls:
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "triton" in text and name in text
+
+
 def _steps_apart(got, want, dtype=jnp.bfloat16):
     """|got - want| in units of the dtype's spacing at each row's largest |want| (a sum
     near zero, e.g. a RoPE difference, keeps the rounding error of its terms)."""
