@@ -69,6 +69,10 @@ def parse(argv=None):
     ap.add_argument("--slot-steps-per-call", type=int, nargs="+", default=None,
                     help="target passes per decode call of the slots (several: a row each; "
                          "default: the serving engine's)")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="slots: prompt i samples from S + i, and a drafter verifies its "
+                         "whole block at T > 0 (default: fresh seeds, adaptive widths); "
+                         "static batches always seed batch g from g x B")
     ap.add_argument("--skip-ar", action="store_true")
     ap.add_argument("--out", default=None, help="JSON, rewritten after every row")
     args = ap.parse_args(argv)
@@ -145,7 +149,8 @@ def main(argv=None):
             for engine, n in variants}
         prompts = [pipes[variants[0]].encode(p) for p in texts]
         for t in args.temperature:
-            kw = dict(max_new_tokens=args.max_new_tokens, temperature=t, ignore_eos=True)
+            kw = dict(max_new_tokens=args.max_new_tokens, temperature=t, ignore_eos=True,
+                      seed=args.seed)
             for b in args.rows:
                 for engine, n in variants:
                     pipe = pipes[(engine, n)]

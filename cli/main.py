@@ -62,7 +62,7 @@ def generate(
     temperature: float = options.temperature(),
     top_p: float = typer.Option(1.0, "--top-p", metavar="P"),
     top_k: int = typer.Option(0, "--top-k", metavar="K", help="0 disables."),
-    seed: int = options.seed(),
+    seed: Optional[int] = options.seed(None),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Run to --max-new-tokens."),
     batch_size: int = options.batch_size(),
     dtype: str = options.dtype(),

@@ -287,11 +287,12 @@ class Pipeline:
 
     def generate(self, prompts: Sequence[Prompt | str], *, chat: bool | None = None,
                  max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int = 0, ignore_eos: bool = False,
+                 top_k: int = 0, seed: int | None = None, ignore_eos: bool = False,
                  batch_size: int = 8) -> list[Result]:
         """Decode prompts through `batch_size` slots of continuous batching (a finished
-        response's slot takes the next prompt at once); results keep the input order,
-        prompt i samples from seed + i, and `seconds` is the whole run's. `chat`
+        response's slot takes the next prompt at once); results keep the input order and
+        `seconds` is the whole run's. With a seed, prompt i samples from seed + i
+        (reproducible, at the whole block's width); without, from a fresh seed. `chat`
         overrides every prompt's own flag when given."""
         validate_sampling(temperature, top_p, top_k)
         prompts = as_prompts(prompts, chat)

@@ -37,8 +37,15 @@ def temperature():
     return typer.Option(0.0, "--temperature", metavar="T", help="0 is greedy.")
 
 
-def seed():
-    return typer.Option(0, "--seed", metavar="S")
+def seed(default: int | None = 0):
+    if default is None:
+        return typer.Option(
+            None, "--seed", metavar="S", show_default=False,
+            help="Prompt i samples from S + i: the same text on every run, at any batch "
+                 "size, with a drafter verifying its whole block at T > 0 (a seed "
+                 "reproduces a sample at one width only). Default: fresh seeds, and "
+                 "adaptive widths at T > 0 too.")
+    return typer.Option(default, "--seed", metavar="S")
 
 
 def batch_size():
@@ -96,9 +103,9 @@ def speculation(default: str = "adaptive"):
         help="Speculative decoding only: how many drafted tokens each pass verifies. "
              "adaptive: per call, the width (0, 1, 3, 7 or 15) with the most expected "
              "tokens/s from the costs and acceptance measured so far (kept per device in "
-             "the cache folder; a sampled row with a seed, as every offline prompt has, "
-             "runs the whole block so that its seed reproduces it); fixed: every pass the "
-             f"whole block; off: plain AR steps. Default: {default}.")
+             "the cache folder; a sampled row with a seed, as every prompt has under "
+             "--seed, runs the whole block so that its seed reproduces it); fixed: every "
+             f"pass the whole block; off: plain AR steps. Default: {default}.")
 
 
 def passes_per_call():

@@ -503,6 +503,30 @@ def test_a_seeded_sample_is_served_at_one_width():
     assert crowd[0] == alone[0]
 
 
+def test_offline_sampling_adapts_unless_seeded():
+    """Offline prompts without a seed are sampled rows like any other: the policy gives them
+    plain steps where the table says those are cheaper. With a seed every pass verifies
+    the whole block, and the same seed gives the same text again."""
+    target, drafter = build(kind="dspine", block=8)
+    engine = SpeculativeEngine(target, drafter, eos_token_ids=[0], steps_per_call=2,
+                               speculation=SpeculationConfig("adaptive"))
+    engine.policy.costs = CostTable()
+    for rows in (1, 2, 4):         # plain steps far cheaper
+        engine.policy.costs.set(rows, 0, 1.0)
+        engine.policy.costs.set(rows, 7, 100.0)
+    kw = dict(max_new_tokens=16, temperature=1.0, ignore_eos=True)
+
+    def widths(batch):
+        return set().union(*(g.verify_widths for g in batch.generations))
+
+    unseeded = generate_tokens(engine, PROMPTS[:2], **kw)
+    assert widths(unseeded) == {0}
+    seeded = generate_tokens(engine, PROMPTS[:2], seed=5, **kw)
+    assert widths(seeded) == {7}
+    again = generate_tokens(engine, PROMPTS[:2], seed=5, **kw)
+    assert [g.tokens for g in again.generations] == [g.tokens for g in seeded.generations]
+
+
 def test_info_speculation_costs(tiny_llama_dir, tiny_dspine_dir, tmp_path, monkeypatch):
     """`dspine info --speculation-costs` times every width, prints the width the policy
     picks (the fastest within its tolerance), and a later pipeline starts from the file."""

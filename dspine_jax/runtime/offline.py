@@ -15,9 +15,12 @@ parallel before it starts; on the CPU they compile on first use, only the shapes
 takes. `seconds` leaves the compilation out. Every decode call runs the decoder's most passes
 (`steps_per_call`); only `dspine serve` shortens them while rows share a call.
 
-Prompt i samples from seed + i, as a served request with that seed does: a sampled
-response depends on its seed alone, not on the slot count or the prompts beside it. At
-T = 0 every response is the target's greedy one.
+With a seed S, prompt i samples from S + i, as a served request with that seed does: a
+sampled response depends on its seed alone, not on the slot count or the prompts beside
+it, and its calls verify the whole block (a seed reproduces a sample at one width only).
+Without one every prompt draws a fresh seed, and adaptive speculation picks each call's
+width for sampled rows as it does for greedy ones. At T = 0 every response is the
+target's greedy one, seeded or not.
 """
 
 from __future__ import annotations
@@ -64,15 +67,17 @@ def core_for(decoder: BatchDecoder, prompts: Sequence[Sequence[int]], max_new_to
 
 def stream_tokens(decoder: BatchDecoder, prompts: Sequence[Sequence[int]], *,
                   max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-                  top_k: int = 0, seed: int = 0, ignore_eos: bool = False,
+                  top_k: int = 0, seed: int | None = None, ignore_eos: bool = False,
                   max_slots: int | None = None) -> Iterator[tuple[int, list[int]]]:
     """Yield (prompt index, new token ids) as they arrive; the generator returns the
-    BatchResult (generations in the order of the prompts). Every prompt is checked
-    before anything compiles."""
+    BatchResult (generations in the order of the prompts). seed: prompt i samples from
+    seed + i (reproducible); None: fresh seeds. Every prompt is checked before anything
+    compiles."""
     core = core_for(decoder, prompts, max_new_tokens, max_slots)
     try:
         options = [SamplingOptions(max_tokens=max_new_tokens, temperature=temperature,
-                                   top_p=top_p, top_k=top_k, seed=seed + i,
+                                   top_p=top_p, top_k=top_k,
+                                   seed=None if seed is None else seed + i,
                                    ignore_eos=ignore_eos) for i in range(len(prompts))]
         for i, (prompt, option) in enumerate(zip(prompts, options)):
             try:

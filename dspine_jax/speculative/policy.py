@@ -36,8 +36,8 @@ cannot keep the policy speculating where it decodes slower than AR.
 Seeds: a sampled (T > 0) output follows the target's distribution under every width, but
 which sample a seed gives depends on the widths run, and the adaptive widths depend on
 timings; so a call with a seeded sampled row runs the widest width (`Scheduler._width`:
-every offline prompt is seeded, a served request when it gives a seed), and the policy
-chooses for greedy rows and unseeded sampled ones.
+an offline prompt is seeded when the run gives a seed, a served request when it does),
+and the policy chooses for greedy rows and unseeded sampled ones.
 """
 
 from __future__ import annotations
