@@ -38,14 +38,15 @@ def temperature():
 
 
 def seed(default: int | None = 0):
-    if default is None:
-        return typer.Option(
-            None, "--seed", metavar="S", show_default=False,
-            help="Prompt i samples from S + i: the same text on every run, at any batch "
-                 "size, with a drafter verifying its whole block at T > 0 (a seed "
-                 "reproduces a sample at one width only). Default: fresh seeds, and "
-                 "adaptive widths at T > 0 too.")
-    return typer.Option(default, "--seed", metavar="S")
+    """One definition for every command; only the default's sentence differs (generate:
+    fresh seeds; eval and data regenerate: 0, so their figures and data reproduce)."""
+    fresh = ("a fresh seed per prompt, so sampled rows take adaptive widths too"
+             if default is None else str(default))
+    return typer.Option(
+        default, "--seed", metavar="S", show_default=False,
+        help="Sampled text is reproducible from S (each prompt's seed is derived from it), "
+             "at any batch size; with a drafter at T > 0 every pass then verifies the whole "
+             f"block, the one width a seed reproduces at. Default: {fresh}.")
 
 
 def batch_size():

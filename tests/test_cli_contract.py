@@ -135,7 +135,7 @@ def test_readme_python_runs(index, capsys):
     assert capsys.readouterr().out.strip()  # the snippets print what they generate
 
 
-SHARED = ["--target", "--method", "--drafter", "--temperature", "--seed", "--batch-size",
+SHARED = ["--target", "--method", "--drafter", "--temperature", "--batch-size",
           "--dtype", "--attention-backend", "--proposal", "--proposal-kernel"]
 
 
@@ -159,8 +159,25 @@ def test_shared_options_read_the_same_in_every_command():
                 assert described == seen["generate"][opt], (name, opt)
 
 
+def test_seed_reads_the_same_with_each_command_default():
+    """--seed has one definition: generate samples from fresh seeds by default (sampled rows
+    then take adaptive widths), eval and data regenerate from 0 (reproducible figures and
+    data); the help differs only in its default's sentence."""
+    import typer.main
+
+    group = typer.main.get_command(app)
+    commands = {"generate": group.commands["generate"], "eval": group.commands["eval"],
+                "regenerate": group.commands["data"].commands["regenerate"]}
+    seeds = {name: next(p for p in c.params if "--seed" in p.opts)
+             for name, c in commands.items()}
+    assert {name: p.default for name, p in seeds.items()} == {
+        "generate": None, "eval": 0, "regenerate": 0}
+    assert len({(p.metavar, p.help.split("Default:")[0]) for p in seeds.values()}) == 1
+    assert "fresh seed" in seeds["generate"].help and "Default: 0." in seeds["eval"].help
+
+
 def test_regenerate_takes_the_shared_options_from_the_same_definitions():
-    """`dspine data regenerate` reads --target, --seed and --dtype as generate does, and
+    """`dspine data regenerate` reads --target and --dtype as generate does, and
     --num-pages as serve does (only the default's sentence differs)."""
     import typer.main
 
@@ -171,7 +188,7 @@ def test_regenerate_takes_the_shared_options_from_the_same_definitions():
 
     regen = params(group.commands["data"].commands["regenerate"])
     generate, serve = params(group.commands["generate"]), params(group.commands["serve"])
-    for opt in ("--target", "--seed", "--dtype"):
+    for opt in ("--target", "--dtype"):
         assert ((regen[opt].default, regen[opt].metavar, regen[opt].help)
                 == (generate[opt].default, generate[opt].metavar, generate[opt].help)), opt
     ours, theirs = regen["--num-pages"], serve["--num-pages"]
