@@ -97,10 +97,12 @@ def run_batch(pipe, prompts, rows, kw, drafter, repeats) -> dict:
             **fields, "ms_per_pass": round(1e3 * seconds / fields["batch_passes"], 3)}, tokens
 
 
-def run_slots(pipe, prompts, rows, kw, repeats) -> dict:
+def run_slots(pipe, prompts, rows, kw, repeats, seed=None) -> dict:
     """`rows` slots over every prompt: the median of `repeats` timed runs after an untimed
-    one (which compiles)."""
+    one (which compiles); prompt i samples from seed + i, or from a fresh seed."""
     from dspine_jax.runtime.offline import generate_tokens
+
+    kw = dict(kw, seed=seed)
 
     compiled = generate_tokens(pipe.decoder, prompts, max_slots=rows, **kw).compile_seconds
     runs = [generate_tokens(pipe.decoder, prompts, max_slots=rows, **kw)
@@ -149,15 +151,14 @@ def main(argv=None):
             for engine, n in variants}
         prompts = [pipes[variants[0]].encode(p) for p in texts]
         for t in args.temperature:
-            kw = dict(max_new_tokens=args.max_new_tokens, temperature=t, ignore_eos=True,
-                      seed=args.seed)
+            kw = dict(max_new_tokens=args.max_new_tokens, temperature=t, ignore_eos=True)
             for b in args.rows:
                 for engine, n in variants:
                     pipe = pipes[(engine, n)]
                     got, tokens = (
                         run_batch(pipe, prompts, b, kw, drafter, args.repeats)
                         if engine == "batch" else run_slots(pipe, prompts, b, kw,
-                                                            args.repeats))
+                                                            args.repeats, args.seed))
                     got["steps_per_call"] = pipe.decoder.steps_per_call
                     if t == 0 and method == "ar" and b not in greedy_ar:
                         greedy_ar[b] = tokens
