@@ -30,6 +30,16 @@ def _no_persistent_compile_cache():
         yield
 
 
+@pytest.fixture(autouse=True)
+def _own_cache_folder(tmp_path_factory, monkeypatch):
+    """Each test gets a cache folder of its own (DSPINE_CACHE_DIR). What an engine keeps
+    there, the speculation policy's measured costs and acceptance keyed by device, target
+    and drafter, would otherwise carry from one test or one run to the next (tests of the
+    same tiny random pair share a key). Built-in assets resolve from their installed
+    packages before the cache folder."""
+    monkeypatch.setenv("DSPINE_CACHE_DIR", str(tmp_path_factory.mktemp("dspine-cache")))
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _free_compiled_programs():
     """After each test module, drop what it compiled: every XLA CPU executable maps its
