@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -30,14 +31,23 @@ def _no_persistent_compile_cache():
         yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_cache_folder(tmp_path_factory):
+    """One cache folder (DSPINE_CACHE_DIR) for the session, never a developer's own: the
+    commands that tests start in processes of their own share JAX's compilation cache
+    there, as one user's commands do."""
+    with pytest.MonkeyPatch.context() as patch:
+        folder = tmp_path_factory.mktemp("dspine-cache")
+        patch.setenv("DSPINE_CACHE_DIR", str(folder))
+        yield folder
+
+
 @pytest.fixture(autouse=True)
-def _own_cache_folder(tmp_path_factory, monkeypatch):
-    """Each test gets a cache folder of its own (DSPINE_CACHE_DIR). What an engine keeps
-    there, the speculation policy's measured costs and acceptance keyed by device, target
-    and drafter, would otherwise carry from one test or one run to the next (tests of the
-    same tiny random pair share a key). Built-in assets resolve from their installed
-    packages before the cache folder."""
-    monkeypatch.setenv("DSPINE_CACHE_DIR", str(tmp_path_factory.mktemp("dspine-cache")))
+def _fresh_speculation_state(_session_cache_folder):
+    """What an engine learns there, the speculation policy's measured costs and acceptance
+    keyed by device, target and drafter, would otherwise carry from one test to the next
+    (tests of the same tiny random pair share a key): each test starts without it."""
+    shutil.rmtree(_session_cache_folder / "speculation", ignore_errors=True)
 
 
 @pytest.fixture(scope="module", autouse=True)
