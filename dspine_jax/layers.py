@@ -43,16 +43,6 @@ def _einsum_f32_bwd(subscripts, saved, g):
 einsum_f32.defvjp(_einsum_f32_fwd, _einsum_f32_bwd)
 
 
-def row_scores(a: jax.Array, b: jax.Array) -> jax.Array:
-    """a [..., P, D] x b [..., C, D] -> [..., P, C] float32: each leading index's few rows
-    against its few others (a slot's predecessors against its C candidates). Written as
-    a product and a sum so XLA fuses it, forward and backward, into one pass over the
-    operands; as an einsum it is a batched matmul of one tiny [P, C] product per leading
-    index (a DSpine training step has 16,384 of them, each a [1, 576] x [576, 16] product)."""
-    return jnp.sum(a.astype(jnp.float32)[..., :, None, :] * b.astype(jnp.float32)[..., None, :, :],
-                   axis=-1)
-
-
 def _init(rngs: nnx.Rngs, shape, dtype, scale=0.02):
     return (jax.random.normal(rngs.params(), shape, jnp.float32) * scale).astype(dtype)
 

@@ -22,7 +22,6 @@ import jax.numpy as jnp
 from dspine_jax.drafters.config import DrafterConfig
 from dspine_jax.drafters.model import BlockDrafter, DraftOutput
 from dspine_jax.errors import ConfigError
-from dspine_jax.layers import row_scores
 from dspine_jax.sampling import top_k_indices
 from pallas_kernels.lm_head_stats import lm_head_stats
 
@@ -246,8 +245,9 @@ def drafter_loss(config: LossConfig, drafter: BlockDrafter, out: DraftOutput, la
         ce_ref = -jnp.sum(jnp.where(hit, logq, 0.0), -1) * label_in
         if fused:     # the target's logits at the candidates, its lse from the kernel
             target_lse = _slot_stats(target_hidden, output_embedding, labels)[0][..., None]
-            target_c = row_scores(target_hidden[..., None, :],
-                                  rows.astype(target_hidden.dtype))[..., 0, :]
+            target_c = jnp.einsum("BnKD,BnKCD->BnKC", target_hidden,
+                                  rows.astype(target_hidden.dtype),
+                                  preferred_element_type=jnp.float32)
         else:
             target_lse = jax.nn.logsumexp(target_logits, -1)[..., None]
             target_c = jnp.take_along_axis(target_logits, candidates, -1)

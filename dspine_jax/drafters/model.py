@@ -33,7 +33,7 @@ from dspine_jax.drafters.injection import Injection
 from dspine_jax.drafters.transfer import (TransferSpace, build_transfer_space, code_table,
                                           transfer_codes)
 from dspine_jax.kv_cache import PagedKVCache
-from dspine_jax.layers import Linear, RMSNorm, einsum_f32, row_scores, stacked_linear
+from dspine_jax.layers import Linear, RMSNorm, einsum_f32, stacked_linear
 from dspine_jax.target import FUSE_LOCK, DecoderLayer
 
 
@@ -362,7 +362,7 @@ class BlockDrafter(nnx.Module):
         E_out [V, D] -> [..., P, C] float32.
         Redoes the last layer's write with p = sqrt(r) c_a, then the final norm."""
         refined = self.refined_state(pre_injection, predecessors, output_embedding)
-        return row_scores(refined, candidate_rows.astype(refined.dtype))
+        return einsum_f32("...PD,...CD->...PC", refined, candidate_rows.astype(refined.dtype))
 
     def refined_state(self, pre_injection: jax.Array, predecessors: jax.Array,
                       output_embedding: jax.Array) -> jax.Array:

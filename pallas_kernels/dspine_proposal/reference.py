@@ -97,9 +97,8 @@ def transition_table(pre_injection, predecessors, candidate_rows, output_embeddi
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     refined = x32.astype(dtype) * w.norm_weight.astype(dtype)           # [..., P, D]
-    # a product and a sum, as the drafter's `row_scores`
-    return jnp.sum(refined.astype(jnp.float32)[..., :, None, :]
-                   * candidate_rows.astype(dtype).astype(jnp.float32)[..., None, :, :], axis=-1)
+    return jnp.einsum("...PD,...CD->...PC", refined, candidate_rows.astype(dtype),
+                      preferred_element_type=jnp.float32)
 
 
 def warp_small(logits, temperature, top_p, top_k):
