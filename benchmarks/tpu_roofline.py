@@ -184,7 +184,7 @@ def training_table(config, train_configs, slices=((TPUS[0], 16), (TPUS[1], 16),
         drafter = abstract_drafter(drafter_config(config, d.kind, d.layers, d.block_size,
                                                   cfg.dspine), jnp.float32)
         flops = flops_per_step(config, drafter, cfg.run.batch_size, cfg.data.seq_len,
-                               cfg.data.blocks_per_seq)
+                               cfg.data.blocks_per_seq, cfg.loss.resolve(drafter.config))
         hours = [cfg.run.steps * flops / (n * chip.peak_flops) / 3600 for chip, n in slices]
         lines.append(f"| {name} | {cfg.run.steps:,} | {cfg.run.batch_size} x "
                      f"{cfg.data.seq_len} | {flops / 1e12:.0f} | "

@@ -151,7 +151,7 @@ def train(cfg: TrainConfig, *, progress: bool = True, trace_dir: Path | None = N
                       donate_argnums=(2, 3))
     log = MetricsLog(out / "metrics.csv", dc.block_size, lead)
     flops = flops_per_step(loaded.config, drafter, cfg.run.batch_size, cfg.data.seq_len,
-                           cfg.data.blocks_per_seq)
+                           cfg.data.blocks_per_seq, losses)
     params, opt_state = state["params"], state["opt_state"]
     # Committed to the mesh like the key the step returns, so step 2 reuses step 1's program.
     rng = sharding.shard_tree(jax.random.wrap_key_data(state["rng"]), mesh)
