@@ -93,4 +93,7 @@ def test_flop_count_is_the_compiled_steps_matmuls(six_layer_target, tmp_path, mo
     monkeypatch.setattr(trainer, "step_analysis", compiled)
     with pytest.raises(_Compiled):
         trainer.train(cfg, progress=False, analysis={})
-    assert seen["count"] == compiled_matmul_flops(seen["hlo"])
+    # Equal on JAX 0.10; within 0.1% leaves room for a compiler that shares or repeats a
+    # tiny product (a token's transfer code) while a missing or extra term still shows:
+    # the smallest counted term here, DSpine's refinement, is 0.6% of its step.
+    assert seen["count"] == pytest.approx(compiled_matmul_flops(seen["hlo"]), rel=1e-3)
