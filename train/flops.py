@@ -1,7 +1,7 @@
 """Matmul FLOPs of one training step, and the peaks that MFU is counted against.
 
-The count is the step's model FLOPs: the products its forward and backward passes need
-(2 FLOPs per multiply-add), each counted once, for the drafter and loss it trains:
+The count is the products a step's forward and backward passes compute (2 FLOPs per
+multiply-add), each product once, for the drafter and loss it trains:
   * the frozen target's forward over every context token, through the layers the step
     reads: up to the deepest feature layer, or all of them when the loss needs the
     target's final hidden states (p_target: a CE+L1 backbone or DSpine's refinement);
@@ -11,7 +11,9 @@ The count is the step's model FLOPs: the products its forward and backward passe
     the lm_head is the target's, frozen), the target's slot logits when p_target is needed;
   * DSpine: the injection after every layer (readout, gates, message, write), the
     refinement's rewrite of the last layer's slots with the true predecessor's code, the
-    transfer codes (forward only) and the alignment readouts when that loss is on.
+    transfer codes (forward only; once for each term that places tokens in the space:
+    the anchors, teacher replacement, the refinement, the alignment) and the alignment's
+    readouts when that loss is on.
 Not counted: the attention's score and value products (as is usual for MFU at these
 lengths), recomputation in a backward pass, and terms under 0.1% of the step (the
 candidates' scores). `tests/test_flops.py` checks the count against the matmuls of the
