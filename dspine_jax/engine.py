@@ -47,6 +47,11 @@ from dspine_jax.speculative.verify import Verdict, verify, verify_logits
 from dspine_jax.target import TargetModel
 
 
+def speculation_folder() -> Path:
+    """Where engines keep the speculation policy's measured costs and acceptance."""
+    return cache_dir() / "speculation"
+
+
 class SpeculativeEngine(BatchDecoder):
     def __init__(self, target: TargetModel, drafter: BlockDrafter, *,
                  eos_token_ids: Sequence[int] = (), steps_per_call: int = 4,
@@ -98,7 +103,7 @@ class SpeculativeEngine(BatchDecoder):
                     str(self.dtype), type(self.attention).__name__, self.proposal_impl,
                     self.proposal_kernel, self.steps_per_call, self.page_size, self.widths))
         name = hashlib.sha256(key.encode()).hexdigest()[:20]
-        return cache_dir() / "speculation" / f"{name}.json"
+        return speculation_folder() / f"{name}.json"
 
     def finished_batch(self) -> None:
         if self.speculation_policy() is not None:

@@ -131,6 +131,12 @@ class LossConfig:
                 and self.logits != "auto")
 
     @property
+    def reads_p_target(self) -> bool:
+        """Whether the loss reads the target's distribution at the slots (a CE+L1 backbone or
+        the refinement), so a training step runs the target to its final hidden states."""
+        return self.backbone == "ce+l1" or bool(self.refinement)
+
+    @property
     def fused_logits(self) -> bool:
         """Whether the loss takes its vocabulary statistics from `lm_head_stats`."""
         if self.logits == "auto":

@@ -47,7 +47,9 @@ def _fresh_speculation_state(_session_cache_folder):
     """What an engine learns there, the speculation policy's measured costs and acceptance
     keyed by device, target and drafter, would otherwise carry from one test to the next
     (tests of the same tiny random pair share a key): each test starts without it."""
-    shutil.rmtree(_session_cache_folder / "speculation", ignore_errors=True)
+    from dspine_jax.engine import speculation_folder
+
+    shutil.rmtree(speculation_folder(), ignore_errors=True)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -6,6 +6,7 @@ score and value products and the candidates' scores, which the count leaves out 
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -28,15 +29,8 @@ def compiled_matmul_flops(hlo: str) -> int:
         out = [int(x) for x in m.group(1).split(",") if x]
         lhs = shapes[m.group(2).split(",")[0].strip().split(" ")[-1].lstrip("%")]
         contracted = [lhs[int(c)] for c in m.group(4).split(",") if c]
-        total += 2 * _product(out) * _product(contracted)
+        total += 2 * math.prod(out) * math.prod(contracted)
     return total
-
-
-def _product(xs) -> int:
-    n = 1
-    for x in xs:
-        n *= x
-    return n
 
 
 @pytest.fixture(scope="module")

@@ -41,14 +41,9 @@ def layer_macs(config) -> int:
 def target_layers_run(target_config, drafter_config, loss) -> int:
     """The target layers a training step runs: XLA drops the layers after the deepest
     feature layer unless the loss reads the final hidden states."""
-    if needs_target_final(loss):
+    if loss.reads_p_target:
         return target_config.num_hidden_layers
     return max(drafter_config.target_layer_ids) + 1
-
-
-def needs_target_final(loss) -> bool:
-    """Whether the loss reads p_target (the step's `needs_target`)."""
-    return loss.backbone == "ce+l1" or bool(loss.refinement)
 
 
 def flops_per_step(target_config, drafter: BlockDrafter, batch: int, seq_len: int,
@@ -59,13 +54,12 @@ def flops_per_step(target_config, drafter: BlockDrafter, batch: int, seq_len: in
     slots = batch * blocks * dc.block_size                     # S
     h, v = dc.hidden_size, dc.vocab_size
     kv = dc.num_key_value_heads * dc.head_dim
-    p_target = needs_target_final(loss)
 
     target = 2 * target_layers_run(target_config, dc, loss) * layer_macs(target_config) * tokens
     features = 4 * dc.num_features * h * h * tokens            # fc: forward + weight gradient
     context = 6 * dc.num_hidden_layers * 2 * h * kv * tokens   # each layer's context k, v
     layers = 6 * dc.num_hidden_layers * layer_macs(dc) * slots
-    vocab = (4 + (2 if p_target else 0)) * v * h * slots
+    vocab = (4 + (2 if loss.reads_p_target else 0)) * v * h * slots
     return float(target + features + context + layers + vocab
                  + spine_flops(dc, slots, batch * blocks, loss))
 
@@ -92,7 +86,7 @@ def spine_flops(dc, slots: int, anchors: int, loss) -> int:
         flops += (2 * (gates + m * h + readout) + 2 * (write + h * r)
                   + 2 * (r * m + m * h + h * r)) * slots
     # transfer codes (frozen, forward only) of the tokens each term places in the space
-    uses = [loss.teacher_replacement and spine.injection, loss.refinement, loss.alignment]
+    uses = [loss.teacher_replacement and dc.injecting, loss.refinement, loss.alignment]
     flops += 2 * h * r * slots * sum(map(bool, uses))
     if loss.alignment:
         flops += 6 * dc.num_hidden_layers * h * r * slots      # readouts of each layer's output

@@ -38,7 +38,7 @@ def make_step(cfg: TrainConfig, target_graph, drafter_graph, tx, loss_config,
     k = drafter_config.block_size
     n = cfg.data.blocks_per_seq
     ids = drafter_config.target_layer_ids
-    needs_target = loss_config.backbone == "ce+l1" or loss_config.refinement
+    needs_target = loss_config.reads_p_target
     replacing = loss_config.teacher_replacement and drafter_config.injecting
 
     def all_sum(x):
