@@ -47,6 +47,17 @@ from dspine_jax.runtime.offline import generate_tokens
 from dspine_jax.speculative.policy import SpeculationConfig
 
 
+def passes_by_width(generations) -> dict[str, int]:
+    """The target passes at each verify width over `generations` (what adaptive speculation
+    picked; a fixed drafter's every pass is at its whole block, AR's at width 0), keyed by
+    width as text for JSON."""
+    widths: dict[int, int] = {}
+    for g in generations:
+        for w, n in g.verify_widths.items():
+            widths[w] = widths.get(w, 0) + n
+    return {str(w): n for w, n in sorted(widths.items())}
+
+
 def time_engine(pipe, groups, batch, drafter, kw, repeats: int = 1):
     """Decode every group once untimed (the first run of a newly compiled shape also pays
     XLA's setup), then `repeats` times: (tokens, accept lengths, seconds, row fields) of
@@ -57,16 +68,13 @@ def time_engine(pipe, groups, batch, drafter, kw, repeats: int = 1):
              for i, group in enumerate(groups)] for _ in range(repeats)]
     totals = [sum(r.seconds for r in run) for run in runs]
     median = sorted(range(repeats), key=totals.__getitem__)[(repeats - 1) // 2]
-    toks, accepts, prefill, widths = [], [], 0.0, {}
+    toks, accepts, prefill = [], [], 0.0
     batch_passes = slots = row_passes = 0
     for res in runs[median]:
         prefill += res.prefill_seconds
         toks += [list(g.tokens) for g in res.generations]
         accepts += [list(g.accept_lengths) if drafter else [1] * len(g.tokens)
                     for g in res.generations]
-        for g in res.generations:
-            for w, n in g.verify_widths.items():
-                widths[w] = widths.get(w, 0) + n
         # decode passes per row (the prefill emits the first token), and a batch decodes
         # until its row with the most passes is done
         passes = [len(g.accept_lengths) if drafter else len(g.tokens) - 1
@@ -80,8 +88,9 @@ def time_engine(pipe, groups, batch, drafter, kw, repeats: int = 1):
                   row_pass_share=round(row_passes / slots, 3),
                   first_run_seconds=round(first_run, 4),
                   seconds_runs=[round(t, 4) for t in totals])
+    widths = passes_by_width(g for res in runs[median] for g in res.generations)
     if widths:
-        fields["verify_widths"] = {str(w): n for w, n in sorted(widths.items())}
+        fields["verify_widths"] = widths
     return toks, accepts, seconds, fields
 
 

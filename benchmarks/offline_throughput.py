@@ -26,7 +26,9 @@ passes is done, summed over batches), row_pass_share = row_passes / (batch_passe
 (the straggler cost), ms_per_pass = seconds / batch_passes, prefill included, and
 `loop_vs_engine`'s prefill_seconds, pass_ms (prefill excluded) and first_run_seconds; `slots`
 rows give the engine's steps (each: a prefill and/or a decode call of several passes) and
-compile_seconds (the untimed run's).
+compile_seconds (the untimed run's). verify_widths (every row, either engine; AR: width 0):
+the target passes at each verify width of the median run, what adaptive speculation
+picked.
 same_as_ar (T = 0, when AR ran): the share of prompts whose tokens equal AR's from its
 first engine (batch, unless --engine slots alone) at the same B; lossless decoding gives
 1 in exact float32, and in bf16 AR's own slots row is the baseline (near-ties flip a few
@@ -41,7 +43,7 @@ import json
 import sys
 from pathlib import Path
 
-from dspine_benchmarks.loop_vs_engine import batches, read_prompts, time_engine
+from dspine_benchmarks.loop_vs_engine import batches, passes_by_width, read_prompts, time_engine
 from dspine_jax.speculative.policy import MODES, SpeculationConfig, slot_acceptance
 
 ENGINES = ("batch", "slots")
@@ -108,11 +110,13 @@ def run_slots(pipe, prompts, rows, kw, repeats, seed=None) -> dict:
     runs = [generate_tokens(pipe.decoder, prompts, max_slots=rows, **kw)
             for _ in range(repeats)]
     run = sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]
+    widths = passes_by_width(run.generations)
     return {"tokens": sum(len(g.tokens) for g in run.generations), "seconds": run.seconds,
             "seconds_runs": [round(r.seconds, 4) for r in runs],
             "row_passes": sum(len(g.accept_lengths) for g in run.generations),
             "steps": run.steps,
-            "preemptions": run.preemptions, "compile_seconds": round(compiled, 1)}, [
+            "preemptions": run.preemptions, "compile_seconds": round(compiled, 1),
+            **({"verify_widths": widths} if widths else {})}, [
         g.tokens for g in run.generations]
 
 

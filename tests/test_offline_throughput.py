@@ -44,7 +44,11 @@ def test_rows_of_both_engines(tiny_llama_dir, tmp_path):
     # static batches: the median of the timed runs, and the drafter's per-slot profile
     # (every pass verified the whole block of 3 drafts) gives back its tau
     assert len(ar_batch["seconds_runs"]) == len(batch["seconds_runs"]) == 2
+    # every drafter pass at the whole block of 3 drafts, counted by either engine; an AR
+    # step is a pass of width 0
     assert batch["verify_widths"] == {"3": batch["row_passes"]}
+    assert slots["verify_widths"] == {"3": slots["row_passes"]}
+    assert ar_batch["verify_widths"] == ar_slots["verify_widths"] == {"0": 45}
     assert expected_tokens(batch["acceptance_profile"], 3) == pytest.approx(batch["tau"],
                                                                            abs=2e-3)
     # float32 at T = 0: every engine emits AR's own tokens
