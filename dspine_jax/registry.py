@@ -124,16 +124,16 @@ def check_sha256(path: Path, expected: str, origin: str) -> None:
                               "Delete it and run again.")
 
 
-# Built-in drafters: the replication's shipped pair (docs/replication.md, "The shipped
-# pair"), 5,000 steps each on 31.7 k regenerated ShareGPT turns, then 5,000 more on all
-# 44.5 k: `train/ship_smollm2.sh all`.
-# Shipped in the source tree, bf16 safetensors.
+# Built-in drafters: the replication's stage-three pair (docs/replication.md, "Longer runs
+# and other data"): 5,000 steps each on 31.7 k regenerated ShareGPT turns, 5,000 more on
+# all 44.5 k (`train/ship_smollm2.sh all`), then 10,000 more on 46.0 k turns answered up to
+# 1,024 tokens (`train/scale_smollm2.sh`). Shipped in the source tree, bf16 safetensors.
 DRAFTER_ASSETS = Path(__file__).parent / "assets" / "drafters"
 BUILTIN_DRAFTERS = {  # name -> sha256 of its model.safetensors
     "smollm2-135m-instruct-dflash":
-        "9f38ee4e8d7592fbfa5a751303de9361db681ffa3890a5bc1045045d08450af6",
+        "1e46c7d1d0363fbbd45265e854a396b1da60a5f8ce9bad9947b790f1a75d784c",
     "smollm2-135m-instruct-dspine":
-        "47647b97cc1f1dd4b9f052fb8834426583888deb5fdf388b33868e3eddaf2b54",
+        "d172cea259f75461c4169ac3d6b71370f25516a1fcaf5b725e3bda5aaaa612c9",
 }
 
 
