@@ -14,7 +14,7 @@
 #   the package)
 #   INIT_FROM= ("KIND=DRAFTER ...": that kind's first link starts from an exported drafter's
 #   weights (a folder or a built-in name), a fresh optimizer and schedule, e.g.
-#   dflash=smollm2-135m-instruct-dflash continues the shipped drafter; later links resume
+#   dflash=smollm2-135m-instruct-dflash continues the built-in drafter; later links resume
 #   the chain's full state)
 #   MAX_NEW=1024  MAX_PROMPT=512  REGEN_BATCH=1024 (slots)  SHARD=512
 #   NUM_PAGES= (the shared KV page pool; default every slot at MAX_PROMPT + MAX_NEW, never

@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
-# The shipped SmolLM2-135M-Instruct drafters (docs/replication.md, "The shipped pair"): a
-# prompts file of every ShareGPT training turn cut to 256 tokens (first turns first), the
+# The stage-two SmolLM2-135M-Instruct drafters (docs/replication.md, "The stage-two pair"),
+# which the built-in pair continues (train/scale_smollm2.sh, "Longer runs and other data"):
+# a prompts file of every ShareGPT training turn cut to 256 tokens (first turns first), the
 # target's greedy answers (up to 256 tokens) to its first 31,744 prompts, DFlash and DSpine
 # (CE backbone, no alignment) trained identically for 5,000 steps at 512 tokens, saved in
 # bf16; then (`continue`) the answers to all 44,546 prompts and 5,000 more steps of each
-# drafter from those bf16 weights (a fresh optimizer and schedule), saved in bf16 as they
-# ship; both evaluated against AR at T = 0 and T = 1. `ablate` repeats the ablations that
-# chose DSpine's recipe at that scale: each kind trained from scratch on the answers to all
+# drafter from those bf16 weights (a fresh optimizer and schedule), saved in bf16; both
+# evaluated against AR at T = 0 and T = 1. `ablate` repeats the ablations that chose
+# DSpine's recipe at that scale: each kind trained from scratch on the answers to all
 # prompts, then (`ablate-eval`) all of them in one evaluation. Every stage resumes or skips
 # what is done, so the script can be rerun after an interruption.
 #
 #   train/ship_smollm2.sh [prompts|data|train|continue|eval|ablate|ablate-eval|all]
 #
-# Environment knobs (defaults = the shipped run):
+# Environment knobs (defaults = the stage-two run):
 #   RUNS=runs  PROMPT_FILE=$RUNS/prompts-256.jsonl  PROMPTS=31744  MAX_PROMPT=256  MAX_NEW=256
 #   ALL_PROMPTS=44546 (continue)
 #   REGEN_BATCH=1024 (slots)  SHARD=1024  STEPS=5000  SEQ_LEN=512
@@ -65,7 +66,7 @@ regenerate() {  # regenerate NAME OUT LIMIT: the target's greedy answers to LIMI
 
 stage_data() { regenerate data "$RUNS/data/sharegpt-turns-$MAX_PROMPT" "$PROMPTS"; }
 
-save_bf16() {  # save_bf16 DIR: DIR/drafter -> DIR/drafter-bf16, shipped as bf16 weights
+save_bf16() {  # save_bf16 DIR: DIR/drafter -> DIR/drafter-bf16, bf16 weights as drafters ship
   python -c '
 import sys, jax.numpy as jnp
 from dspine_jax.drafters.checkpoint import load_drafter, save_drafter
