@@ -48,6 +48,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     import jax
 
+    from dspine_benchmarks.loop_vs_engine import passes_by_width
     from dspine_jax.api import Pipeline
     from dspine_jax.checkpoints import load_target
     from dspine_jax.registry import DEFAULT_TARGET
@@ -71,8 +72,7 @@ def main(argv=None) -> dict:
             runs[name].append({"tokens_per_s": r.num_tokens / r.seconds,
                                "tokens": r.num_tokens, "same_as_ar": r.tokens == reference,
                                "tau": r.mean_accept_length,
-                               "verify_widths": {str(w): n for w, n in
-                                                 r.verify_widths.items()}})
+                               "verify_widths": passes_by_width([r])})
     summary = {}
     for name, rows in runs.items():
         rates = [row["tokens_per_s"] for row in rows[1:]]
