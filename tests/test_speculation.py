@@ -115,23 +115,37 @@ def test_in_between_a_middle_width_wins():
 
 
 def test_a_middle_width_tried_on_its_estimate_waits_for_its_time():
-    """Width 3's interpolated cost makes it look best: it is tried, then not again while
+    """Width 3's estimated cost makes it look best: it is tried, then not again while
     its time is still to come (steps are pipelined), then kept or dropped on its
     measured cost."""
-    policy, stats = policy_with({0: 1.0, 15: 3.0}, alpha=0.6)
-    assert policy.costs.estimate(1, 3) == pytest.approx(1.4)
+    policy, stats = policy_with({0: 1.0, 15: 2.0}, alpha=0.4)
+    # the whole block's extra second over a plain step: 40% fixed, 60% over 15 drafts
+    assert policy.costs.estimate(1, 3) == pytest.approx(2.0 - 0.6 * 1.0 * 12 / 15)
     assert policy.choose(1, stats) == 3
     assert [policy.choose(1, stats) for _ in range(3)] == [0] * 3     # 3's time not in
-    dear, _ = policy_with({0: 1.0, 15: 3.0}, alpha=0.6)
+    dear, _ = policy_with({0: 1.0, 15: 2.0}, alpha=0.4)
     assert dear.choose(1, stats) == 3
-    dear.observe_call(1, 3, 16 * 2.9, 16)           # a draft costs nearly the whole block
+    dear.observe_call(1, 3, 16 * 1.9, 16)           # a draft costs nearly the whole block
     assert 3 not in [dear.choose(1, stats) for _ in range(8)]
-    policy.observe_call(1, 3, 16 * 1.4, 16)         # as interpolated: kept
+    policy.observe_call(1, 3, 16 * 1.52, 16)        # as estimated: kept
     assert [policy.choose(1, stats) for _ in range(3)] == [3] * 3
-    untimed, _ = policy_with({0: 1.0, 15: 3.0}, alpha=0.6)
+    untimed, _ = policy_with({0: 1.0, 15: 2.0}, alpha=0.4)
     assert untimed.choose(1, stats) == 3 and untimed.choose(1, stats) == 0
     untimed.not_timed()                 # that call's time will not come: guess again
     assert untimed.choose(1, stats) == 3
+
+
+def test_narrow_widths_that_cannot_pay_are_not_tried():
+    """The built-in pair on a 2-core CPU (ms per pass, each width timed on purpose): one
+    verified draft costs 2.5 plain steps, so no width pays at its acceptance. Knowing
+    only the two ends, the policy runs plain steps; a line through the plain step would
+    have put width 3 at 47.6 ms and tried it."""
+    true = {0: 28.1, 1: 69.1, 3: 82.9, 7: 91.3, 15: 125.8}
+    policy, _ = policy_with({0: true[0], 15: true[15]}, alpha=0.65)
+    estimates = {w: policy.costs.estimate(1, w) for w in (1, 3, 7)}
+    for w, cost in estimates.items():               # within 8% of what each costs
+        assert cost == pytest.approx(true[w], rel=0.08)
+    assert run_calls(policy, true, 30) == [0] * 30
 
 
 def run_calls(policy: SpeculationPolicy, true: dict[int, float], calls: int,
@@ -201,12 +215,37 @@ def test_costs_are_medians_of_the_latest_calls():
     assert table.estimate(8, 15) == 3.0                 # the latest 5: 2.0 2.2 3.0 3.1 3.2
 
 
-def test_unmeasured_widths_are_interpolated():
+def test_unmeasured_widths_are_estimated():
     table = CostTable()
     table.set(8, 0, 1.0)
     table.set(8, 15, 2.5)
-    assert table.estimate(8, 7) == pytest.approx(1.0 + 7 / 15 * 1.5)
+    # below the narrowest pass width run: down by the per-draft part (60% of 1.5 s / 15)
+    assert table.estimate(8, 7) == pytest.approx(2.5 - 0.06 * 8)
+    assert table.estimate(8, 1) == pytest.approx(2.5 - 0.06 * 14)
+    table.set(8, 3, 2.0)
+    # between two pass widths: the line through them; below both: their slope
+    assert table.estimate(8, 7) == pytest.approx(2.0 + 4 / 12 * 0.5)
+    assert table.estimate(8, 1) == pytest.approx(2.0 - 2 * 0.5 / 12)
     assert table.estimate(8, 15) == 2.5 and table.estimate(4, 3) is None
+    steep = CostTable()                             # never below a plain step
+    for width, cost in {0: 1.0, 3: 1.05, 15: 2.25}.items():
+        steep.set(1, width, cost)
+    assert steep.estimate(1, 1) == 1.0
+    wide = CostTable()                              # wider than every width run: held
+    wide.set(1, 0, 1.0)
+    wide.set(1, 3, 1.5)
+    assert wide.estimate(1, 15) == 1.5 and wide.estimate(1, 1) == pytest.approx(1.5 - 0.2)
+
+
+def test_a_call_cut_short_does_not_start_a_recheck():
+    """A last call that ran 5 of its 16 passes at twice the plain step's cost per pass
+    leaves the block in place; a full call that slow makes the policy re-time the plain
+    step at once."""
+    for ran, rechecked in ((5, False), (16, True)):
+        policy, stats = policy_with({0: 1.0, 15: 1.6}, alpha=0.8)
+        assert policy.choose(1, stats, widths=(0, 15)) == 15
+        policy.observe_call(1, 0, ran * 2.0, ran, 16)
+        assert (policy.choose(1, stats, widths=(0, 15)) == 0) == rechecked
 
 
 def test_fixed_and_off_have_one_width():
@@ -400,9 +439,9 @@ def test_a_programs_first_run_is_not_a_cost_sample(monkeypatch):
             runs.append((len(call.requests), call.width, call.first_run))
         return future
 
-    def recording_observe(rows, width, seconds, passes):
+    def recording_observe(rows, width, seconds, passes, most=None):
         observed.append((rows, width))
-        return observe(rows, width, seconds, passes)
+        return observe(rows, width, seconds, passes, most)
 
     monkeypatch.setattr(Runner, "submit", recording_submit)
     monkeypatch.setattr(engine.policy, "observe_call", recording_observe)

@@ -291,14 +291,14 @@ class EngineCore:
             outputs = merge_outputs(outputs)
         timed = step.timed
         if timed is not None and step.compiles == self._runner.steps.compiles:
-            self._timings.append((len(timed.requests), timed.width, passes,
+            self._timings.append((len(timed.requests), timed.width, passes, timed.passes,
                                   timed.device_seconds))
         elif timed is not None:             # a program compiled meanwhile: not a sample
             self._policy.not_timed()
         # the device times the timer thread has measured by now (none is waited for)
         while self._timings and self._timings[0][-1].done():
-            rows, width, passes, seconds = self._timings.popleft()
-            self._policy.observe_call(rows, width, seconds.result(), passes)
+            rows, width, passes, most, seconds = self._timings.popleft()
+            self._policy.observe_call(rows, width, seconds.result(), passes, most)
         return outputs
 
     def compile_ahead(self, decode_rows: Sequence[int], modes: Sequence[str],

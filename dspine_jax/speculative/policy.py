@@ -19,7 +19,9 @@ Both inputs are measured as decoding runs, host-side, with no device work of the
                    with the pool of every row seen as the prior of a new one
   CostTable        seconds per pass by (batch, width): the median of each width's latest
                    calls (the device's busy time, `runtime.runner`), so one slow call
-                   moves nothing; a width not yet run is interpolated in verified tokens
+                   moves nothing; a width not yet run is estimated from those run
+                   (`CostTable.estimate`: a pass costs a plain step, a fixed part and a
+                   part per verified draft)
 The first calls of a batch shape run the widest width, then a plain step, a few calls
 each, to measure both ends; then the policy re-runs the end it has not run lately every
 `probe_every` calls or, where running it gives up much throughput, as seldom as keeps
@@ -57,6 +59,11 @@ DEFAULT_MODE = "adaptive"
 # Verify widths the adaptive policy compiles: the block's anchor plus k drafts makes
 # 1, 2, 4, 8, 16 verified tokens, shapes every attention kernel tiles well.
 ADAPTIVE_WIDTHS = (0, 1, 3, 7, 15)
+# A pass costs a plain step plus a part fixed per pass (the draft, its proposals, the
+# acceptance) plus a part per verified draft. On an H100 at 32 and 64 rows and on a 2-core
+# CPU the fixed part was 36-39% of what the whole block costs over a plain step; a width
+# narrower than every pass width run is estimated with that split.
+PASS_FIXED_SHARE = 0.4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,8 +189,7 @@ class CostTable:
     calls. The policy trusts a width's cost for its choice of what to measure once
     `min_samples` calls are in (`trusted`), so one slow call (a program's first run on the
     device, a host stall, another process compiling) cannot settle it. A width not yet run
-    at a batch is interpolated linearly in verified tokens (width + 1) between the widths
-    run around it, or held at the nearest one beyond them."""
+    at a batch is estimated from the widths run there (`estimate`)."""
 
     def __init__(self, window: int = 5, min_samples: int = 3):
         self.window, self.min_samples = window, min_samples
@@ -216,18 +222,43 @@ class CostTable:
                 if r == rows and v}
 
     def estimate(self, rows: int, width: int) -> float | None:
+        """Seconds per pass of `width` drafts at `rows` rows: its median where it ran, else
+        from the widths that ran. Pass widths are affine in the drafts they verify, so a
+        width between two that ran is interpolated between them. A narrower one is not
+        interpolated towards the plain step (width 0): a pass also pays a fixed part that
+        a plain step does not (on a 2-core CPU one verified draft cost 2.4 plain steps,
+        the whole block 4.5), and a line through the plain step made narrow widths look
+        cheap enough to try, each try a call or two of passes that decode slower than AR.
+        It goes down from the narrowest pass width run by the slope between the two
+        narrowest, or, where one ran, by the per-draft part of its cost over a plain step
+        (1 - PASS_FIXED_SHARE of it); never below a plain step. A width wider than every
+        one run is held at the widest; None where nothing ran at `rows`."""
         known = self.measured(rows)
         if width in known:
             return known[width]
         if not known:
             return None
-        below = [w for w in known if w < width]
-        above = [w for w in known if w > width]
+        passes = sorted(w for w in known if w > 0)
+        if width == 0 or not passes:        # the nearest width that ran
+            return known[min(known, key=lambda w: (abs(w - width), w))]
+        above = [w for w in passes if w > width]
+        below = [w for w in passes if w < width]
         if below and above:
             lo, hi = max(below), min(above)
-            t = (width - lo) / (hi - lo)
-            return known[lo] + t * (known[hi] - known[lo])
-        return known[max(below)] if below else known[min(above)]
+            return known[lo] + (width - lo) / (hi - lo) * (known[hi] - known[lo])
+        if below:
+            return known[max(below)]
+        narrowest = passes[0]
+        if len(passes) >= 2:
+            nxt = passes[1]
+            slope = max(0.0, (known[nxt] - known[narrowest]) / (nxt - narrowest))
+        elif 0 in known:
+            slope = max(0.0, (1 - PASS_FIXED_SHARE) * (known[narrowest] - known[0])
+                        / narrowest)
+        else:
+            slope = 0.0
+        cost = known[narrowest] - slope * (narrowest - width)
+        return max(cost, known[0]) if 0 in known else cost
 
     def rows(self) -> list[int]:
         return sorted({r for r, _ in self.seconds})
@@ -261,7 +292,7 @@ class SpeculationPolicy:
         # at most `min_samples` times in a row, until the median follows or the call agrees
         self.recheck: dict[tuple[int, int], int] = {}
         self.loaded: set[tuple[int, int]] = set()     # (rows, width) costs read from a file
-        # (rows, width) run once on an interpolated cost, its time not in yet
+        # (rows, width) run once on an estimated cost, its time not in yet
         self.pending: set[tuple[int, int]] = set()
 
     def new_row(self) -> AcceptanceStats:
@@ -271,15 +302,22 @@ class SpeculationPolicy:
         stats.observe(width, accepted)
         self.pool.observe(width, accepted)
 
-    def observe_call(self, rows: int, width: int, seconds: float, passes: int) -> None:
+    def observe_call(self, rows: int, width: int, seconds: float, passes: int,
+                     most: int | None = None) -> None:
+        """A decode call's device seconds over the `passes` it ran, of the `most` it could
+        run. A call cut short (every row finished) is a sample, but never a surprise: its
+        call-fixed costs are spread over fewer passes (a last call of 6 passes on a 2-core
+        CPU took 1.5x a full call's time per pass), and a recheck runs that width for
+        several calls."""
         self.pending.discard((rows, width))
         if passes <= 0 or seconds <= 0:
             return
         key = (rows, width)
-        if self.costs.surprised(rows, width, seconds / passes):
-            self.recheck[key] = self.recheck.get(key, self.costs.min_samples)
-        else:
-            self.recheck.pop(key, None)
+        if most is None or passes >= most:   # a call cut short leaves rechecks as they are
+            if self.costs.surprised(rows, width, seconds / passes):
+                self.recheck[key] = self.recheck.get(key, self.costs.min_samples)
+            else:
+                self.recheck.pop(key, None)
         self.costs.observe(rows, width, seconds / passes)
 
     def not_timed(self) -> None:
@@ -315,12 +353,12 @@ class SpeculationPolicy:
         lo, hi = widths[0], widths[-1]
         trusted = self.costs.trusted(rows)
         # measure both ends first, a few calls each: the widest (fixed speculation), then
-        # a plain step; a middle width is then tried once where its interpolated cost
+        # a plain step; a middle width is then tried once where its estimated cost
         # makes it look best, and kept only if its measured cost does
         for end in (hi, lo):
             if end not in trusted:
                 return self._ran(rows, end, call)
-        # a width is tried on its interpolated cost one at a time, and not again until
+        # a width is tried on its estimated cost one at a time, and not again until
         # that call's time is in: times arrive a call or two late (steps are pipelined),
         # and a wrong guess must cost one call, not every call until its time arrives
         measured = self.costs.measured(rows)
