@@ -120,6 +120,29 @@ def test_a_call_holds_the_pages_its_passes_can_write():
     assert s.pages.free_pages == s.pages.num_pages and s.used_tokens() == 0
 
 
+def test_calls_that_measure_an_end_of_the_widths_are_short():
+    """While adaptive speculation has not timed both ends of its widths at a batch size,
+    a row decoding alone runs the shared count of passes (its call runs a width to time
+    it, not because it pays); once both are trusted, the decoder's most."""
+    from dspine_jax.speculative.policy import SpeculationConfig, SpeculationPolicy
+
+    policy = SpeculationPolicy(SpeculationConfig("adaptive"), 4)     # widths 0, 1, 3
+    s = Scheduler(SPEC, EngineConfig(max_slots=2, max_model_len=64), policy=policy,
+                  widths=policy.widths)
+    s.add_request("a", [1] * 14, options(max_tokens=40))
+    step(s)
+    calls, _ = step(s)
+    assert calls[0].passes == SPEC.shared_steps_per_call and calls[0].width == 3
+    assert policy.measuring(1) and not policy.measuring(2, (3,))
+    policy.costs.set(1, 3, 1.3)
+    assert policy.measuring(1)                       # the plain step is still to time
+    policy.costs.set(1, 0, 1.0)
+    assert not policy.measuring(1) and policy.measuring(2)
+    step(s)                                          # planned before the costs were in
+    calls, _ = step(s)
+    assert calls[0].passes == SPEC.steps_per_call
+
+
 def test_a_prompt_decodes_in_the_step_its_last_chunk_is_prefilled():
     """The step that completes a prompt also decodes it, holding the pages of that call:
     alone and with nobody waiting, the decoder's most passes (4 here)."""

@@ -19,7 +19,8 @@ Every step (`schedule`):
      decoding; a request whose prompt is complete starts decoding;
   5. one decode call runs over the decoding slots alone, gathered into a bucket of rows:
      the decoder's most passes (`steps_per_call`) while one row decodes alone and nobody
-     waits, else its shared count; with adaptive speculation the policy picks the verify
+     waits and adaptive speculation is not measuring an end of its widths, else its
+     shared count; with adaptive speculation the policy picks the verify
      width from the calls it timed and each request's acceptance (a sampled request with
      a seed verifies the whole block, so that seed reproduces).
 `receive(call, news)` then hands each request what the call gained: tokens, pass
@@ -413,7 +414,13 @@ class Scheduler:
         with nobody waiting, or for the one request an idle engine is about to admit (a
         long call then delays no one, and pays the per-call cost less often), else its
         shared count (a finishing row's slot and a waiting request wait for the call's
-        end)."""
+        end). While adaptive speculation measures an end of its widths (the first calls
+        at a batch size) the shared count too: those calls run a width chosen to be
+        timed, not because it pays, and where it does not (the whole block on a CPU
+        costs 4.5 plain steps) four calls of 16 passes were most of a 128-token decode."""
+        rows = row_fields.bucket_up(max(decoding, 1), self.row_sizes)
+        if self.policy is not None and self.policy.measuring(rows, self.widths):
+            return self.spec.shared_steps_per_call
         if (decoding, len(self._waiting)) in ((1, 0), (0, 1)):
             return self.spec.steps_per_call
         return self.spec.shared_steps_per_call

@@ -320,6 +320,15 @@ class SpeculationPolicy:
                 self.recheck.pop(key, None)
         self.costs.observe(rows, width, seconds / passes)
 
+    def measuring(self, rows: int, widths: tuple[int, ...] | None = None) -> bool:
+        """Whether the next call over `rows` rows runs an end of `widths` (default: the
+        policy's) only to time it: an end not yet trusted at that batch size."""
+        widths = widths or self.widths
+        if len(widths) == 1:
+            return False
+        trusted = self.costs.trusted(rows)
+        return widths[0] not in trusted or widths[-1] not in trusted
+
     def not_timed(self) -> None:
         """A decode call will not be timed (its program's first run, programs compiling
         beside it): a width guessed for it may be guessed again."""
