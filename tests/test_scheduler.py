@@ -5,6 +5,7 @@ end requests. A fake device answers each planned call with the news a real one r
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ import pytest
 from dspine_jax.errors import InputError
 from dspine_jax.runtime import rows as row_fields
 from dspine_jax.runtime.requests import QueueFull, SamplingOptions, merge_outputs
-from dspine_jax.runtime.scheduler import DecoderSpec, EngineConfig, Scheduler
+from dspine_jax.runtime.scheduler import MEASURING_PASSES, DecoderSpec, EngineConfig, Scheduler
 
 EOS = 99
 # an AR-like decoder: one position per pass, 4 passes per call alone, 2 when shared
@@ -31,9 +32,9 @@ def options(max_tokens=8, **kw) -> SamplingOptions:
     return SamplingOptions(max_tokens=max_tokens, seed=0, **kw)
 
 
-def news(call, gains: dict) -> np.ndarray:
+def news(call, gains: dict, spec: DecoderSpec = SPEC) -> np.ndarray:
     """The call's news: gains[request_id] = (tokens, done), one token per pass."""
-    w, p = SPEC.news_width
+    w, p = spec.news_width
     out = np.zeros((len(call.requests), 3 + w + p), np.int32)
     for i, r in enumerate(call.requests):
         if r is None or r.request_id not in gains:
@@ -53,7 +54,7 @@ def step(s: Scheduler, gains=lambda call, r: ([7], False)):
     outs = list(aborted)
     for call in calls:
         answer = {r.request_id: gains(call, r) for r in call.requests if r is not None}
-        outs += s.receive(call, news(call, answer))[0]
+        outs += s.receive(call, news(call, answer, s.spec))[0]
     return calls, {o.request_id: o for o in merge_outputs(outs)}
 
 
@@ -122,17 +123,20 @@ def test_a_call_holds_the_pages_its_passes_can_write():
 
 def test_calls_that_measure_an_end_of_the_widths_are_short():
     """While adaptive speculation has not timed both ends of its widths at a batch size,
-    a row decoding alone runs the shared count of passes (its call runs a width to time
-    it, not because it pays); once both are trusted, the decoder's most."""
+    a row decoding alone runs at most MEASURING_PASSES (its call runs a width to time it,
+    not because it pays); once both are trusted, the decoder's most."""
     from dspine_jax.speculative.policy import SpeculationConfig, SpeculationPolicy
 
+    # offline decoding: as many passes shared as alone
+    spec = dataclasses.replace(SPEC, steps_per_call=8, shared_steps_per_call=8,
+                               news_width=(9, 8))
     policy = SpeculationPolicy(SpeculationConfig("adaptive"), 4)     # widths 0, 1, 3
-    s = Scheduler(SPEC, EngineConfig(max_slots=2, max_model_len=64), policy=policy,
+    s = Scheduler(spec, EngineConfig(max_slots=2, max_model_len=64), policy=policy,
                   widths=policy.widths)
     s.add_request("a", [1] * 14, options(max_tokens=40))
     step(s)
     calls, _ = step(s)
-    assert calls[0].passes == SPEC.shared_steps_per_call and calls[0].width == 3
+    assert calls[0].passes == MEASURING_PASSES == 4 and calls[0].width == 3
     assert policy.measuring(1) and not policy.measuring(2, (3,))
     policy.costs.set(1, 3, 1.3)
     assert policy.measuring(1)                       # the plain step is still to time
@@ -140,7 +144,7 @@ def test_calls_that_measure_an_end_of_the_widths_are_short():
     assert not policy.measuring(1) and policy.measuring(2)
     step(s)                                          # planned before the costs were in
     calls, _ = step(s)
-    assert calls[0].passes == SPEC.steps_per_call
+    assert calls[0].passes == spec.steps_per_call == 8
 
 
 def test_a_prompt_decodes_in_the_step_its_last_chunk_is_prefilled():

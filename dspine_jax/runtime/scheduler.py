@@ -19,8 +19,8 @@ Every step (`schedule`):
      decoding; a request whose prompt is complete starts decoding;
   5. one decode call runs over the decoding slots alone, gathered into a bucket of rows:
      the decoder's most passes (`steps_per_call`) while one row decodes alone and nobody
-     waits and adaptive speculation is not measuring an end of its widths, else its
-     shared count; with adaptive speculation the policy picks the verify
+     waits, else its shared count, and fewer while adaptive speculation times an end of
+     its widths (`MEASURING_PASSES`); with adaptive speculation the policy picks the verify
      width from the calls it timed and each request's acceptance (a sampled request with
      a seed verifies the whole block, so that seed reproduces).
 `receive(call, news)` then hands each request what the call gained: tokens, pass
@@ -53,6 +53,10 @@ from dspine_jax.runtime.slots import SlotPages
 
 __all__ = ["Call", "DEFAULT_PREFILL_CHUNK", "DecoderSpec", "EngineConfig", "Request",
            "Scheduler"]
+
+# Passes of a decode call that adaptive speculation runs to time an end of its widths
+# (as many as `dspine serve` runs while rows share a call).
+MEASURING_PASSES = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -415,12 +419,12 @@ class Scheduler:
         long call then delays no one, and pays the per-call cost less often), else its
         shared count (a finishing row's slot and a waiting request wait for the call's
         end). While adaptive speculation measures an end of its widths (the first calls
-        at a batch size) the shared count too: those calls run a width chosen to be
+        at a batch size) at most `MEASURING_PASSES`: those calls run a width chosen to be
         timed, not because it pays, and where it does not (the whole block on a CPU
         costs 4.5 plain steps) four calls of 16 passes were most of a 128-token decode."""
         rows = row_fields.bucket_up(max(decoding, 1), self.row_sizes)
         if self.policy is not None and self.policy.measuring(rows, self.widths):
-            return self.spec.shared_steps_per_call
+            return min(MEASURING_PASSES, self.spec.shared_steps_per_call)
         if (decoding, len(self._waiting)) in ((1, 0), (0, 1)):
             return self.spec.steps_per_call
         return self.spec.shared_steps_per_call
