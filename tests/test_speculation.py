@@ -323,6 +323,32 @@ def test_greedy_equals_autoregressive_at_every_width(kind):
         len(g.accept_lengths) for g in got)
 
 
+def test_calls_that_time_an_end_are_short_and_lossless(monkeypatch):
+    """With nothing measured yet, a request decoding alone at 8 passes per call runs its
+    first calls at MEASURING_PASSES while the policy times the widest width and a plain
+    step, then full calls; the tokens are AR's."""
+    from dspine_jax.runtime.runner import Runner
+    from dspine_jax.runtime.scheduler import MEASURING_PASSES
+
+    target, drafter = build(kind="dspine", block=8)
+    ar = AutoregressiveGenerator(target, eos_token_ids=[0])
+    want = generate_tokens(ar, PROMPTS[:1], max_new_tokens=80).generations
+    engine = SpeculativeEngine(target, drafter, eos_token_ids=[0], steps_per_call=8,
+                               speculation=SpeculationConfig("adaptive"))
+    engine.policy.costs = CostTable()
+    passes, submit = [], Runner.submit
+
+    def recording_submit(self, call):
+        if call.decode:
+            passes.append(call.passes)
+        return submit(self, call)
+
+    monkeypatch.setattr(Runner, "submit", recording_submit)
+    got = generate_tokens(engine, PROMPTS[:1], max_new_tokens=80).generations
+    assert got[0].tokens == want[0].tokens
+    assert passes[0] == MEASURING_PASSES == 4 and set(passes) <= {4, 8}
+
+
 def test_a_narrower_pass_drafts_the_same_tokens():
     """DSpine drafts only as far as a pass verifies: from the same state, the drafts
     and their q at width w are the whole block's first w (greedy and sampled)."""

@@ -36,7 +36,7 @@ import numpy as np
 from dspine_jax.decoding import BatchDecoder
 from dspine_jax.runtime import rows as row_fields
 from dspine_jax.runtime import slot_steps
-from dspine_jax.runtime.scheduler import Call
+from dspine_jax.runtime.scheduler import MEASURING_PASSES, Call
 from dspine_jax.runtime.slots import SlotPages
 from dspine_jax.sampling import batch_sampling_mode
 
@@ -67,7 +67,8 @@ class Runner:
                                              out_len=max_model_len)
         # a decode call's pass count, by value: uploaded once, not per call
         self._passes = {n: jnp.int32(n) for n in
-                        {decoder.steps_per_call, decoder.shared_steps_per_call, 1}}
+                        {decoder.steps_per_call, decoder.shared_steps_per_call, 1,
+                         min(MEASURING_PASSES, decoder.shared_steps_per_call)}}
         self._ran: set[tuple] = set()    # (name, key) of every program run so far
         self._thread = concurrent.futures.ThreadPoolExecutor(1, "dspine-runner")
         self._timer = concurrent.futures.ThreadPoolExecutor(1, "dspine-device-timer")
