@@ -422,8 +422,8 @@ class Scheduler:
         at a batch size) at most `MEASURING_PASSES`: those calls run a width chosen to be
         timed, not because it pays, and where it does not (the whole block on a CPU
         costs 4.5 plain steps) four calls of 16 passes were most of a 128-token decode."""
-        rows = row_fields.bucket_up(max(decoding, 1), self.row_sizes)
-        if self.policy is not None and self.policy.measuring(rows, self.widths):
+        if self.policy is not None and self.policy.measuring(
+                row_fields.bucket_up(max(decoding, 1), self.row_sizes), self.widths):
             return min(MEASURING_PASSES, self.spec.shared_steps_per_call)
         if (decoding, len(self._waiting)) in ((1, 0), (0, 1)):
             return self.spec.steps_per_call

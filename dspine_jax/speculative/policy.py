@@ -324,10 +324,13 @@ class SpeculationPolicy:
         """Whether the next call over `rows` rows runs an end of `widths` (default: the
         policy's) only to time it: an end not yet trusted at that batch size."""
         widths = widths or self.widths
-        if len(widths) == 1:
-            return False
+        return len(widths) > 1 and self._end_to_time(rows, widths) is not None
+
+    def _end_to_time(self, rows: int, widths: tuple[int, ...]) -> int | None:
+        """The end of `widths` still to time at `rows` rows, the widest first; None once
+        both are trusted."""
         trusted = self.costs.trusted(rows)
-        return widths[0] not in trusted or widths[-1] not in trusted
+        return next((end for end in (widths[-1], widths[0]) if end not in trusted), None)
 
     def not_timed(self) -> None:
         """A decode call will not be timed (its program's first run, programs compiling
@@ -360,13 +363,12 @@ class SpeculationPolicy:
         call = self.calls.get(rows, 0)
         self.calls[rows] = call + 1
         lo, hi = widths[0], widths[-1]
-        trusted = self.costs.trusted(rows)
         # measure both ends first, a few calls each: the widest (fixed speculation), then
         # a plain step; a middle width is then tried once where its estimated cost
         # makes it look best, and kept only if its measured cost does
-        for end in (hi, lo):
-            if end not in trusted:
-                return self._ran(rows, end, call)
+        end = self._end_to_time(rows, widths)
+        if end is not None:
+            return self._ran(rows, end, call)
         # a width is tried on its estimated cost one at a time, and not again until
         # that call's time is in: times arrive a call or two late (steps are pipelined),
         # and a wrong guess must cost one call, not every call until its time arrives
