@@ -17,6 +17,9 @@ until a new decoder is built. Outside any decoder, `current()` is the defaults.
                                                       chain is walked
   top_k_grouped      DSPINE_TOP_K_GROUPED     1 | 0   the grouped top-k on GPUs
   top_k_split        DSPINE_TOP_K_SPLIT       1 | 0   the split top-k on GPUs
+  top_k_select       DSPINE_TOP_K_SELECT      topk | sort   the grouped top-k's two
+                                                      selections: XLA's TopK, or a sort
+                                                      of each row
   rpa_fused_write    DSPINE_RPA_FUSED_WRITE   1 | 0   the attention kernel writes the new
                                                       tokens into the pages itself
   rpa_combine        DSPINE_RPA_COMBINE       xla | kernel   how the attention kernel's
@@ -33,13 +36,15 @@ from typing import Iterator, Mapping
 
 CHAIN_WALKS = ("auto", "all", "steps")
 COMBINES = ("xla", "kernel")
+TOP_K_SELECTS = ("topk", "sort")
 FLAGS = {"warp_unfiltered": ("DSPINE_WARP_UNFILTERED", True),
          "warp_search": ("DSPINE_WARP_SEARCH", False),
          "top_k_grouped": ("DSPINE_TOP_K_GROUPED", True),
          "top_k_split": ("DSPINE_TOP_K_SPLIT", True),
          "rpa_fused_write": ("DSPINE_RPA_FUSED_WRITE", True)}
 CHOICES = {"chain_walk": ("DSPINE_CHAIN_WALK", CHAIN_WALKS),
-           "rpa_combine": ("DSPINE_RPA_COMBINE", COMBINES)}
+           "rpa_combine": ("DSPINE_RPA_COMBINE", COMBINES),
+           "top_k_select": ("DSPINE_TOP_K_SELECT", TOP_K_SELECTS)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +54,7 @@ class Switches:
     chain_walk: str = "auto"
     top_k_grouped: bool = True
     top_k_split: bool = True
+    top_k_select: str = "topk"
     rpa_fused_write: bool = True
     rpa_combine: str = "xla"
 

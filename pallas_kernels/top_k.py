@@ -4,19 +4,21 @@
 TopK runs one thread block per row, so a few long rows leave the GPU idle and many short
 rows pay a fixed cost each. On a GPU, therefore:
   * k >= 2: `grouped_top_k` cuts each row into groups of G, one reduction takes every
-    group's maximum, a TopK over the maxima picks the k groups that can hold the row's
-    top-k, and a TopK over their k * G entries finishes;
+    group's maximum, a selection over the maxima picks the k groups that can hold the
+    row's top-k, and a selection over their k * G entries finishes. Each selection is
+    XLA's TopK, or with the switch `top_k_select=sort` a sort on (value descending,
+    index ascending) of a row of ~1,000 (one shared-memory sort kernel);
   * k = 1, or rows too short to group: when the rows are too few to fill the GPU,
     `two_stage_top_k` splits each into as many chunks as fill one wave (each at least
     MIN_CHUNK long), takes each chunk's top-k, then the top-k of the survivors.
 Elsewhere (CPU, TPU) one lax.top_k. Both paths are exact: an entry of the row's top-k is
 in the top-k of its own group or chunk, and survivors keep index order. The switches
-`top_k_grouped` and `top_k_split` (`pallas_kernels.switches`; DSPINE_TOP_K_GROUPED=0 and
-DSPINE_TOP_K_SPLIT=0) turn the two paths off (the grouped path against the split in a
-decoding pass: docs/benchmarks.md, "Engine options").
+`top_k_grouped`, `top_k_split` and `top_k_select` (`pallas_kernels.switches`;
+DSPINE_TOP_K_GROUPED=0, DSPINE_TOP_K_SPLIT=0, DSPINE_TOP_K_SELECT=sort) turn the paths
+off or to the sort (docs/benchmarks.md, "Engine options").
 
 Shape legend: R rows, V row length, C chunk, n = ceil(V / C) chunks; G group, n = ceil(V / G)
-groups.
+groups; N a selection's row length.
 """
 
 from __future__ import annotations
@@ -52,25 +54,52 @@ def two_stage_top_k(x: jax.Array, k: int, chunk: int):
     return top, jnp.take_along_axis(ids.reshape(r, n * k), where, -1).astype(jnp.int32)
 
 
+def sorted_top_k(x: jax.Array, ids: jax.Array, k: int):
+    """x [R, N] and its entries' distinct ids [R, N] int32 -> (values [R, k], ids [R, k]):
+    the k largest values, equal values lower id first, by one stable sort on the key pair
+    (value descending, id ascending). The value key is -x for floats (x + 0 first, so -0.0
+    and +0.0 tie, as they do in lax.top_k) and ~x for integers (no overflow); values come
+    back as the key's inverse, so a -0.0 in the result reads +0.0."""
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        key = -(x + jnp.zeros((), x.dtype))
+        undo = jnp.negative
+    else:
+        key = jnp.invert(x)
+        undo = jnp.invert
+    key, ids = jax.lax.sort((key, ids), dimension=-1, num_keys=2, is_stable=False)
+    return undo(key[:, :k]), ids[:, :k]
+
+
+def _select(x: jax.Array, ids: jax.Array, k: int):
+    """The top k of x [R, N] with their ids, by the switch's selection (XLA's TopK needs
+    ids that ascend along each row for its ties to go to the lower id)."""
+    if switches.current().top_k_select == "sort":
+        return sorted_top_k(x, ids, k)
+    values, where = jax.lax.top_k(x, k)
+    return values, jnp.take_along_axis(ids, where, -1)
+
+
 def grouped_top_k(x: jax.Array, k: int, group: int):
     """x [R, V], static k <= ceil(V / group) -> (values [R, k], indices [R, k] int32), as
     lax.top_k(x, k). Exact, ties included: a group whose maximum ranks below the k-th
     group's cannot hold a top-k entry (each group ranked above it holds an entry ranked
     above all of its own), and groups are contiguous, so ranking maxima by (value, lower
-    group first) ranks them as lax.top_k ranks entries. The chosen groups are put back in
-    index order before the last TopK, so its ties still go to the lower index."""
+    group first) ranks them as lax.top_k ranks entries. The last selection's ties go to
+    the lower index: the sort keys on it, and for XLA's TopK the chosen groups are put
+    back in index order first."""
     r, v = x.shape
     n = -(-v // group)
     if not 1 <= k <= n:
         raise ValueError(f"grouped_top_k needs 1 <= k <= ceil(V / group) ({n}), got k={k}")
     padded = jnp.pad(x, ((0, 0), (0, n * group - v)), constant_values=_lowest(x.dtype))
     groups = padded.reshape(r, n, group)                                 # [R, n, G]
-    _, chosen = jax.lax.top_k(groups.max(-1), k)                         # [R, k]
-    chosen = jnp.sort(chosen, axis=-1)
+    group_ids = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (r, n))
+    _, chosen = _select(groups.max(-1), group_ids, k)                   # [R, k]
+    if switches.current().top_k_select != "sort":
+        chosen = jnp.sort(chosen, axis=-1)
     members = jnp.take_along_axis(groups, chosen[..., None], 1)          # [R, k, G]
-    ids = chosen[..., None] * group + jnp.arange(group, dtype=chosen.dtype)
-    top, where = jax.lax.top_k(members.reshape(r, k * group), k)        # [R, k]
-    return top, jnp.take_along_axis(ids.reshape(r, k * group), where, -1).astype(jnp.int32)
+    ids = chosen[..., None] * group + jnp.arange(group, dtype=jnp.int32)
+    return _select(members.reshape(r, k * group), ids.reshape(r, k * group), k)
 
 
 def groups_rows() -> bool:

@@ -1,6 +1,7 @@
-"""pallas_kernels.top_k: the two-stage and the grouped top-k of long rows equal a stable
-float64 sort (values and indices, ties to the lower index), and `top_k` takes each path
-where its rule says so (forced here on the CPU)."""
+"""pallas_kernels.top_k: the two-stage and the grouped top-k of long rows (the grouped one
+with each of its selections, sort and XLA's TopK) equal a stable float64 sort (values and
+indices, ties to the lower index), and `top_k` takes each path where its rule says so
+(forced here on the CPU)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 from dspine_jax.sampling import first_argmax, top_k_indices
 from pallas_kernels import top_k as long_rows
-from pallas_kernels.switches import Switches
+from pallas_kernels.switches import TOP_K_SELECTS, Switches
 
 
 def stable_top_k(x, k):
@@ -38,8 +39,16 @@ def method(name):
     return getattr(long_rows, f"{name}_top_k")
 
 
+@pytest.fixture(params=TOP_K_SELECTS)
+def select(request):
+    """The grouped top-k's tests run under each of its selections."""
+    with Switches(top_k_select=request.param).active():
+        yield request.param
+
+
 @pytest.mark.parametrize("name,rows,v,k,size", CASES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int32"])
+@pytest.mark.usefixtures("select")
 def test_equals_stable_sort_with_ties(name, rows, v, k, size, dtype):
     """Values from {-3..3}: ties everywhere, so the indices pin down the tie order (and,
     grouped, many groups share the top maximum, so the groups chosen among equal maxima
@@ -51,6 +60,7 @@ def test_equals_stable_sort_with_ties(name, rows, v, k, size, dtype):
 
 
 @pytest.mark.parametrize("name,size", [("two_stage", 64), ("grouped", 32)])
+@pytest.mark.usefixtures("select")
 def test_keeps_real_minus_inf_before_the_padding(name, size):
     """A row with fewer finite entries than k: its -inf entries (lowest indices first)
     fill the rest, never the padding past V."""
@@ -64,6 +74,7 @@ def test_keeps_real_minus_inf_before_the_padding(name, size):
 
 @pytest.mark.parametrize("name,seed,shape,size", [("two_stage", 1, (6, 5000), 512),
                                                   ("grouped", 3, (15, 49152), 64)])
+@pytest.mark.usefixtures("select")
 def test_random_rows_match_lax_order(name, seed, shape, size):
     x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
     values, ids = method(name)(jnp.asarray(x), 16, size)
@@ -111,6 +122,7 @@ def test_split_path_through_top_k_and_its_callers(monkeypatch):
                                   np.argmax(x, -1))
 
 
+@pytest.mark.usefixtures("select")
 def test_grouped_takes_several_entries_from_one_group():
     """The whole top-k in one group (and in two): the groups beyond it hold nothing of
     it, yet k groups are still taken and the rest must not displace it."""
@@ -144,6 +156,7 @@ def test_group_rule(monkeypatch):
         assert long_rows.splits_rows()
 
 
+@pytest.mark.usefixtures("select")
 def test_grouped_path_through_top_k_and_its_callers(monkeypatch):
     """With grouping forced (as on a GPU) top_k and top_k_indices keep lax.top_k's results
     on rank-3 input with ties, and first_argmax (k = 1) takes another path."""
@@ -162,3 +175,24 @@ def test_grouped_path_through_top_k_and_its_callers(monkeypatch):
     np.testing.assert_array_equal(first_argmax(jnp.asarray(x, jnp.float32)),
                                   np.argmax(x, -1))
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int32"])
+def test_sorted_top_k_orders_by_value_then_id(dtype):
+    """Ids in any order along the row (as the grouped path's chosen groups are): equal
+    values go to the lower id, not the earlier position; the extremes of an integer
+    dtype and both float zeros rank as values."""
+    rng = np.random.default_rng(7)
+    ids = np.stack([rng.permutation(300) for _ in range(3)]).astype(np.int32)
+    x = rng.integers(-3, 4, size=(3, 300))
+    if dtype == "int32":
+        x[0, :2] = [np.iinfo(np.int32).max, np.iinfo(np.int32).min]
+    values, got = long_rows.sorted_top_k(jnp.asarray(x, dtype), jnp.asarray(ids), 20)
+    key = np.lexsort((ids, -np.asarray(x, np.float64)), axis=-1)[:, :20]
+    np.testing.assert_array_equal(got, np.take_along_axis(ids, key, -1))
+    np.testing.assert_array_equal(np.asarray(values, np.float64),
+                                  np.take_along_axis(np.asarray(x, np.float64), key, -1))
+    if dtype != "int32":
+        zeros = jnp.asarray([[-0.0, 0.0, -0.0, 1.0]], dtype)
+        _, got = long_rows.sorted_top_k(zeros, jnp.asarray([[3, 2, 1, 0]], jnp.int32), 3)
+        np.testing.assert_array_equal(got, [[0, 1, 2]])     # 1.0, then the zeros by id
