@@ -70,13 +70,16 @@ def sorted_top_k(x: jax.Array, ids: jax.Array, k: int):
     return undo(key[:, :k]), ids[:, :k]
 
 
-def _select(x: jax.Array, ids: jax.Array, k: int):
-    """The top k of x [R, N] with their ids, by the switch's selection (XLA's TopK needs
-    ids that ascend along each row for its ties to go to the lower id)."""
+def _select(x: jax.Array, k: int, ids: jax.Array | None = None):
+    """The top k of x [R, N] and their ids [R, N] (None: their positions), by the switch's
+    selection; XLA's TopK needs ids that ascend along each row for its ties to go to the
+    lower id."""
     if switches.current().top_k_select == "sort":
+        if ids is None:
+            ids = jnp.broadcast_to(jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape)
         return sorted_top_k(x, ids, k)
     values, where = jax.lax.top_k(x, k)
-    return values, jnp.take_along_axis(ids, where, -1)
+    return values, where if ids is None else jnp.take_along_axis(ids, where, -1)
 
 
 def grouped_top_k(x: jax.Array, k: int, group: int):
@@ -93,13 +96,12 @@ def grouped_top_k(x: jax.Array, k: int, group: int):
         raise ValueError(f"grouped_top_k needs 1 <= k <= ceil(V / group) ({n}), got k={k}")
     padded = jnp.pad(x, ((0, 0), (0, n * group - v)), constant_values=_lowest(x.dtype))
     groups = padded.reshape(r, n, group)                                 # [R, n, G]
-    group_ids = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (r, n))
-    _, chosen = _select(groups.max(-1), group_ids, k)                   # [R, k]
+    _, chosen = _select(groups.max(-1), k)                               # [R, k]
     if switches.current().top_k_select != "sort":
         chosen = jnp.sort(chosen, axis=-1)
     members = jnp.take_along_axis(groups, chosen[..., None], 1)          # [R, k, G]
     ids = chosen[..., None] * group + jnp.arange(group, dtype=jnp.int32)
-    return _select(members.reshape(r, k * group), ids.reshape(r, k * group), k)
+    return _select(members.reshape(r, k * group), k, ids.reshape(r, k * group))
 
 
 def groups_rows() -> bool:
