@@ -9,7 +9,8 @@ stages), `grouped-topk` (the grouped path, XLA's TopK for its two selections) an
 `grouped-sort` (the grouped path, a sort for each). Each
 path runs `--iters` times in one compiled loop (each iteration's input depends on the
 last result, so nothing is hoisted) and the figure is the median over `--repeats` of
-(loop time / iters), in microseconds: device time plus no dispatch. The floor is one read
+(loop time / iters), in microseconds: device time, the loop's one dispatch spread over
+its iterations. The floor is one read
 of the logits at the copy bandwidth measured in the same run. Every path's ids are checked
 against lax.top_k's before timing.
 """
@@ -32,12 +33,13 @@ from pallas_kernels.switches import Switches
 K = 16
 
 
-def paths(rows: int, vocab: int):
-    """(name, function of x [rows, vocab] -> (values, ids)) for each path."""
-    # top_k's own rules, as on a GPU with 132 multiprocessors
-    group = 1 << max(5, min(10, round(np.log2(max(vocab / K, 1)) / 2)))
-    chunks = max(2, min(132 // rows, vocab // long_rows.MIN_CHUNK))
-    chunk = -(-(-(-vocab // chunks)) // 128) * 128
+def paths(rows: int, vocab: int, multiprocessors: int):
+    """(name, function of x [rows, vocab] -> (values, ids)) for each path, each with
+    top_k's own group and chunk rules (a split that top_k would not take is at least 2
+    chunks here)."""
+    group = long_rows.group_length(vocab, K)
+    chunk = (long_rows.chunk_length(rows, vocab, K, multiprocessors)
+             or long_rows.chunk_length(1, vocab, K, 2))
     return [
         ("lax", lambda x: jax.lax.top_k(x, K)),
         ("split", lambda x: long_rows.two_stage_top_k(x, K, chunk)),
@@ -92,6 +94,8 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     gbps = copy_gbps(max(args.iters // 10, 1), args.repeats)
+    multiprocessors = (getattr(jax.devices()[0], "core_count", None)
+                       or long_rows.DEFAULT_MULTIPROCESSORS)
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, copy {gbps:.0f} GB/s")
     print(f"{'rows':>5} {'vocab':>7} {'path':<13} {'us':>8} {'floor us':>9}")
     rng = np.random.default_rng(0)
@@ -100,7 +104,7 @@ def main(argv=None):
             x = jnp.asarray(rng.standard_normal((rows, vocab)), jnp.float32)
             want = np.asarray(jax.lax.top_k(x, K)[1])
             floor = x.nbytes / (gbps / 2) / 1e3
-            for name, fn in paths(rows, vocab):
+            for name, fn in paths(rows, vocab, multiprocessors):
                 got = np.asarray(jax.jit(fn)(x)[1])
                 if not np.array_equal(got, want):
                     raise SystemExit(f"{name} at {rows} x {vocab}: ids differ from lax.top_k")

@@ -110,10 +110,16 @@ def groups_rows() -> bool:
 
 
 def group_size(v: int, k: int) -> int | None:
-    """The group length `top_k` cuts rows of v into, or None: the power of two nearest
-    sqrt(V / k) (it balances the two TopKs' rows, V / G and k * G), within [32, 1024],
-    for k >= 2 (an argmax, k = 1, gains nothing from it) and at least 4 k groups."""
-    if k < 2 or not groups_rows():
+    """The group length `top_k` cuts rows of v into on this backend, or None: see
+    `group_length`."""
+    return group_length(v, k) if groups_rows() else None
+
+
+def group_length(v: int, k: int) -> int | None:
+    """The group length for rows of v, or None: the power of two nearest sqrt(V / k) (it
+    balances the two selections' rows, V / G and k * G), within [32, 1024], for k >= 2
+    (an argmax, k = 1, gains nothing from it) and at least 4 k groups."""
+    if k < 2:
         return None
     g = 1 << max(5, min(10, round(math.log2(max(v / k, 1)) / 2)))
     return g if -(-v // g) >= 4 * k else None
@@ -125,13 +131,19 @@ def splits_rows() -> bool:
 
 
 def split_chunk(rows: int, v: int, k: int) -> int | None:
-    """The chunk length `top_k` splits rows of v into, or None for one pass: as many
-    chunks as there are multiprocessors per row (one wave), at least 2, each at least
-    MIN_CHUNK and 4 k long, rounded up to a multiple of 128."""
+    """The chunk length `top_k` splits rows of v into on this backend, or None for one
+    pass: see `chunk_length`, with this device's multiprocessors."""
     if not splits_rows():
         return None
     sms = getattr(jax.devices()[0], "core_count", None) or DEFAULT_MULTIPROCESSORS
-    n = min(sms // max(rows, 1), v // max(MIN_CHUNK, 4 * k))
+    return chunk_length(rows, v, k, sms)
+
+
+def chunk_length(rows: int, v: int, k: int, multiprocessors: int) -> int | None:
+    """The chunk length for `rows` rows of v, or None for one pass: as many chunks as
+    there are multiprocessors per row (one wave), at least 2, each at least MIN_CHUNK and
+    4 k long, rounded up to a multiple of 128."""
+    n = min(multiprocessors // max(rows, 1), v // max(MIN_CHUNK, 4 * k))
     if n < 2:
         return None
     per_chunk = -(-v // n)

@@ -196,3 +196,18 @@ def test_sorted_top_k_orders_by_value_then_id(dtype):
         zeros = jnp.asarray([[-0.0, 0.0, -0.0, 1.0]], dtype)
         _, got = long_rows.sorted_top_k(zeros, jnp.asarray([[3, 2, 1, 0]], jnp.int32), 3)
         np.testing.assert_array_equal(got, [[0, 1, 2]])     # 1.0, then the zeros by id
+
+
+def test_top_k_rows_benchmark_times_every_path(tmp_path):
+    """The benchmark runs every path (its ids checked against lax.top_k first) and writes
+    one JSON row per path."""
+    import json
+
+    from dspine_benchmarks import top_k_rows
+
+    out = tmp_path / "rows.jsonl"
+    top_k_rows.main(["--rows", "2", "--vocab", "4096", "--iters", "2", "--repeats", "1",
+                     "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["path"] for r in rows] == ["lax", "split", "grouped-topk", "grouped-sort"]
+    assert all(r["us"] > 0 and r["floor_us"] > 0 and r["vocab"] == 4096 for r in rows)
