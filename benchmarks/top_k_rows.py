@@ -20,14 +20,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspine_benchmarks.decode_step import jax_copy_bandwidth, median_time
 from pallas_kernels import top_k as long_rows
+from pallas_kernels.platform import multiprocessors
 from pallas_kernels.switches import Switches
 
 K = 16
@@ -66,23 +66,6 @@ def looped(fn, iters: int):
     return run
 
 
-def median_us(run, x, iters: int, repeats: int) -> float:
-    run(x).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run(x).block_until_ready()
-        times.append((time.perf_counter() - start) / iters * 1e6)
-    return statistics.median(times)
-
-
-def copy_gbps(iters: int, repeats: int) -> float:
-    """Read + write GB/s of a 256 MB copy in a loop."""
-    y = jnp.zeros((64 << 20,), jnp.float32)
-    run = jax.jit(lambda y: jax.lax.fori_loop(0, iters, lambda _, y: y + 1, y))
-    return 2 * y.nbytes / median_us(run, y, iters, repeats) / 1e3
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -93,9 +76,8 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="append one JSON line per row and path")
     args = p.parse_args(argv)
 
-    gbps = copy_gbps(max(args.iters // 10, 1), args.repeats)
-    multiprocessors = (getattr(jax.devices()[0], "core_count", None)
-                       or long_rows.DEFAULT_MULTIPROCESSORS)
+    gbps = jax_copy_bandwidth() / 1e9
+    sms = multiprocessors()
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, copy {gbps:.0f} GB/s")
     print(f"{'rows':>5} {'vocab':>7} {'path':<13} {'us':>8} {'floor us':>9}")
     rng = np.random.default_rng(0)
@@ -104,11 +86,13 @@ def main(argv=None):
             x = jnp.asarray(rng.standard_normal((rows, vocab)), jnp.float32)
             want = np.asarray(jax.lax.top_k(x, K)[1])
             floor = x.nbytes / (gbps / 2) / 1e3
-            for name, fn in paths(rows, vocab, multiprocessors):
+            for name, fn in paths(rows, vocab, sms):
                 got = np.asarray(jax.jit(fn)(x)[1])
                 if not np.array_equal(got, want):
                     raise SystemExit(f"{name} at {rows} x {vocab}: ids differ from lax.top_k")
-                us = median_us(looped(fn, args.iters), x, args.iters, args.repeats)
+                run = looped(fn, args.iters)
+                us = median_time(lambda: run(x).block_until_ready(), args.repeats) / (
+                    args.iters * 1e-6)
                 print(f"{rows:>5} {vocab:>7} {name:<13} {us:>8.1f} {floor:>9.1f}", flush=True)
                 if args.out:
                     with open(args.out, "a") as f:

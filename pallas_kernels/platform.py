@@ -1,8 +1,11 @@
-"""Which compiled implementation an op's `implementation="auto"` means on this backend."""
+"""What this backend offers the kernels: which compiled implementation an op's
+`implementation="auto"` means, and how many multiprocessors a grid is sized for."""
 
 from __future__ import annotations
 
 import jax
+
+DEFAULT_MULTIPROCESSORS = 132  # H100/H200 SXM, where the device does not say
 
 
 def backend_implementation() -> str:
@@ -14,3 +17,9 @@ def backend_implementation() -> str:
     if platform == "tpu":
         return "pallas_tpu"
     return "xla"
+
+
+def multiprocessors() -> int:
+    """The device's multiprocessor count (what a kernel's grid fills), or
+    DEFAULT_MULTIPROCESSORS where the device does not say."""
+    return getattr(jax.devices()[0], "core_count", None) or DEFAULT_MULTIPROCESSORS

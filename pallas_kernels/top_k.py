@@ -29,9 +29,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import switches
+from pallas_kernels.platform import multiprocessors
 
 MIN_CHUNK = 1024
-DEFAULT_MULTIPROCESSORS = 132  # H100/H200 SXM, where the device does not say
 
 
 def _lowest(dtype):
@@ -56,8 +56,8 @@ def two_stage_top_k(x: jax.Array, k: int, chunk: int):
 
 def sorted_top_k(x: jax.Array, ids: jax.Array, k: int):
     """x [R, N] and its entries' distinct ids [R, N] int32 -> (values [R, k], ids [R, k]):
-    the k largest values, equal values lower id first, by one stable sort on the key pair
-    (value descending, id ascending). The value key is -x for floats (x + 0 first, so -0.0
+    the k largest values, equal values lower id first, by one sort on the key pair
+    (value descending, id ascending), a total order since the ids are distinct. The value key is -x for floats (x + 0 first, so -0.0
     and +0.0 tie, as they do in lax.top_k) and ~x for integers (no overflow); values come
     back as the key's inverse, so a -0.0 in the result reads +0.0."""
     if jnp.issubdtype(x.dtype, jnp.floating):
@@ -135,8 +135,7 @@ def split_chunk(rows: int, v: int, k: int) -> int | None:
     pass: see `chunk_length`, with this device's multiprocessors."""
     if not splits_rows():
         return None
-    sms = getattr(jax.devices()[0], "core_count", None) or DEFAULT_MULTIPROCESSORS
-    return chunk_length(rows, v, k, sms)
+    return chunk_length(rows, v, k, multiprocessors())
 
 
 def chunk_length(rows: int, v: int, k: int, multiprocessors: int) -> int | None:

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from .platform import multiprocessors
+
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-DEFAULT_SM_COUNT = 132          # H100/H200 SXM, where the device does not say
 
 
 def check_hidden_weight(op: str, hidden, weight) -> None:
@@ -81,8 +81,7 @@ def gpu_grid(op: str, r: int, d: int, vocab: int, *, block_r=None, block_v=None,
     n_tiles = -(-vocab // block_v)
     row_tiles = -(-r // block_r)
     if num_splits is None:
-        sm_count = getattr(jax.devices()[0], "core_count", None) or DEFAULT_SM_COUNT
-        num_splits = max(1, -(-2 * sm_count // row_tiles))
+        num_splits = max(1, -(-2 * multiprocessors() // row_tiles))
     tiles_per_split = -(-n_tiles // min(num_splits, n_tiles))
     return GpuGrid(block_r, block_v, block_d, row_tiles, n_tiles,
                    -(-n_tiles // tiles_per_split), tiles_per_split, num_warps or 4,

@@ -58,11 +58,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from ..platform import multiprocessors
 from ..switches import current as current_switches
 from .common import MASK_VALUE, default_scale, unpack_outputs, write_new_tokens
 
 LOG2E = math.log2(math.e)
-DEFAULT_SM_COUNT = 132          # H100/H200 SXM
 # Calls of at most this many tokens per row (decode, verify, draft) have the kernel write
 # them; one program per (row, kv head) does, WRITE_CHUNK tokens per store.
 FUSED_WRITE_MAX_T = 64
@@ -257,7 +257,7 @@ def default_config(b, t, n, h, kv_heads, page_size, pages_per_seq, dtype):
     block_n = min(128, 16384 // (h * itemsize))
     m_tiles = -(-m // block_m)
     programs = b * kv_heads * m_tiles
-    sm_count = getattr(jax.devices()[0], "core_count", None) or DEFAULT_SM_COUNT
+    sm_count = multiprocessors()
     max_tiles = -(-(pages_per_seq * page_size) // block_n)
     # at least two programs per multiprocessor
     num_splits = -(-2 * sm_count // programs)
