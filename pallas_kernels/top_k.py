@@ -57,9 +57,10 @@ def two_stage_top_k(x: jax.Array, k: int, chunk: int):
 def sorted_top_k(x: jax.Array, ids: jax.Array, k: int):
     """x [R, N] and its entries' distinct ids [R, N] int32 -> (values [R, k], ids [R, k]):
     the k largest values, equal values lower id first, by one sort on the key pair
-    (value descending, id ascending), a total order since the ids are distinct. The value key is -x for floats (x + 0 first, so -0.0
-    and +0.0 tie, as they do in lax.top_k) and ~x for integers (no overflow); values come
-    back as the key's inverse, so a -0.0 in the result reads +0.0."""
+    (value descending, id ascending), a total order since the ids are distinct. The value
+    key is -x for floats (x + 0 first, so -0.0 and +0.0 tie, as they do in lax.top_k) and
+    ~x for integers (no overflow); values come back as the key's inverse, so a -0.0 in
+    the result reads +0.0."""
     if jnp.issubdtype(x.dtype, jnp.floating):
         key = -(x + jnp.zeros((), x.dtype))
         undo = jnp.negative
