@@ -96,6 +96,12 @@ class Attention(nnx.Module):
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         return (self._rotated_q(q, positions),) + self.rotated_kv(k, v, positions)
 
+    def packed_qkv(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """x [B, T, D] -> [B, T, N + 2K, H]: each token's rotated q heads, then its k
+        and v heads: the paged attention's packed operand, built by one XLA fusion (the
+        split, RoPE and qk norms of the fused projection) where three kernels ran."""
+        return jnp.concatenate(self.project(x, positions), axis=2)
+
     def project_kv(self, x: jax.Array, positions: jax.Array):
         """Keys and values of x alone: how an unfused drafter turns target features into
         context KV (a fused drafter projects every layer's at once:
@@ -125,9 +131,10 @@ class Attention(nnx.Module):
         -> (out [B, T, D], the pages after the write or None)."""
         # the named scopes label the op groups of `profile_step`'s roofline table
         with jax.named_scope("qkv"):
-            q, k, v = self.project(x, metadata.positions)
+            qkv = self.packed_qkv(x, metadata.positions)
         with jax.named_scope("attention"):
-            out, pages = attention(q, k, v, metadata, pages)
+            out, pages = attention.packed(qkv, metadata, pages,
+                                          num_kv_heads=self.config.num_key_value_heads)
         b, t = x.shape[:2]
         with jax.named_scope("o_proj"):
             return self.o_proj(out.reshape(b, t, -1)), pages

@@ -22,8 +22,12 @@ until a new decoder is built. Outside any decoder, `current()` is the defaults.
                                                       of each row
   rpa_fused_write    DSPINE_RPA_FUSED_WRITE   1 | 0   the attention kernel writes the new
                                                       tokens into the pages itself
-  rpa_combine        DSPINE_RPA_COMBINE       xla | kernel   how the attention kernel's
-                                                      split partials are merged
+  rpa_combine        DSPINE_RPA_COMBINE       xla | unrolled | kernel   how the
+                                                      attention kernel's split partials
+                                                      are merged
+  rpa_packed         DSPINE_RPA_PACKED        1 | 0   the GPU attention kernel reads q, k
+                                                      and v from the layer's one packed
+                                                      operand (0: split first)
 """
 
 from __future__ import annotations
@@ -35,13 +39,14 @@ import os
 from typing import Iterator, Mapping
 
 CHAIN_WALKS = ("auto", "all", "steps")
-COMBINES = ("xla", "kernel")
+COMBINES = ("xla", "unrolled", "kernel")
 TOP_K_SELECTS = ("topk", "sort")
 FLAGS = {"warp_unfiltered": ("DSPINE_WARP_UNFILTERED", True),
          "warp_search": ("DSPINE_WARP_SEARCH", False),
          "top_k_grouped": ("DSPINE_TOP_K_GROUPED", True),
          "top_k_split": ("DSPINE_TOP_K_SPLIT", True),
-         "rpa_fused_write": ("DSPINE_RPA_FUSED_WRITE", True)}
+         "rpa_fused_write": ("DSPINE_RPA_FUSED_WRITE", True),
+         "rpa_packed": ("DSPINE_RPA_PACKED", True)}
 CHOICES = {"chain_walk": ("DSPINE_CHAIN_WALK", CHAIN_WALKS),
            "rpa_combine": ("DSPINE_RPA_COMBINE", COMBINES),
            "top_k_select": ("DSPINE_TOP_K_SELECT", TOP_K_SELECTS)}
@@ -57,6 +62,7 @@ class Switches:
     top_k_select: str = "topk"
     rpa_fused_write: bool = True
     rpa_combine: str = "xla"
+    rpa_packed: bool = True
 
     def __post_init__(self):
         for name, (variable, allowed) in CHOICES.items():

@@ -143,13 +143,16 @@ def bits(x):
     return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
 
 
-def check_case(implementation, interpret, case_id, spec, kernel_kw=None):
-    """kernel_kw: call the implementation's kernel directly with these config arguments."""
+def check_case(implementation, interpret, case_id, spec, kernel_kw=None, packed=False):
+    """kernel_kw: call the implementation's kernel directly with these config arguments.
+    packed: pass q, new_k and new_v as one [B, T, N + 2K, H] array (new_k = new_v = None)."""
     name, t, kv_heads, group, h, dtype, mask, page_size, kv_lens, q_lens = spec
     case = make_case(case_id, t, kv_heads, group, h, dtype, page_size, kv_lens, q_lens)
     scale = 0.7 * h ** -0.5 if case_id % 2 else None           # both default and explicit
     args = [jnp.asarray(case[k]) for k in ("q", "new_k", "new_v", "k_pages", "v_pages",
                                            "page_table", "kv_lens", "q_lens")]
+    if packed:
+        args[:3] = [jnp.concatenate(args[:3], axis=2), None, None]
     if kernel_kw is None:
         out, k_pages, v_pages = ragged_paged_attention(
             *args, mask=mask, sm_scale=scale, implementation=implementation,
@@ -190,10 +193,29 @@ def test_gpu_kernel_configs_interpreted(config):
     check_case("pallas_gpu", True, case_id, CASES[case_id], kernel_kw=kw)
 
 
+# decode, ragged verify, a bidirectional draft, several splits, and a prefill that an XLA
+# scatter writes (the packed operand split for it)
+PACKED_CASES = [0, 2, 4, 9, 11]
+
+
+@pytest.mark.parametrize("implementation", INTERPRETED)
+@pytest.mark.parametrize("case_id", PACKED_CASES, ids=[CASES[c][0] for c in PACKED_CASES])
+def test_packed_qkv_matches_float64_reference(implementation, case_id):
+    """q, new_k and new_v as one packed operand: the GPU kernel reads it in place."""
+    check_case(implementation, implementation != "xla", case_id, CASES[case_id], packed=True)
+
+
 @pytest.mark.parametrize("case_id", range(len(CASES)), ids=[c[0] for c in CASES])
 def test_gpu_kernel_combine_kernel_interpreted(case_id):
     """The split-K partials merged and laid out by `_combine_kernel` instead of XLA."""
     check_case("pallas_gpu", True, case_id, CASES[case_id], kernel_kw=dict(combine="kernel"))
+
+
+@pytest.mark.parametrize("case_id", [0, 9, 10], ids=[CASES[c][0] for c in (0, 9, 10)])
+def test_gpu_kernel_unrolled_combine_interpreted(case_id):
+    """The split-K partials merged split by split (`_merge_unrolled`), 3 and 7 splits."""
+    check_case("pallas_gpu", True, case_id, CASES[case_id],
+               kernel_kw=dict(combine="unrolled", num_splits=3 if case_id else 7))
 
 
 def test_gpu_kernel_page_larger_than_key_tile_interpreted():
@@ -300,6 +322,21 @@ def test_gpu_kernel_configs_compiled(config):
 def test_gpu_kernel_combine_kernel_compiled(case_id):
     _needs_cuda()
     check_case("pallas_gpu", False, case_id, CASES[case_id], kernel_kw=dict(combine="kernel"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case_id", PACKED_CASES, ids=[CASES[c][0] for c in PACKED_CASES])
+def test_gpu_kernel_packed_qkv_compiled(case_id):
+    _needs_cuda()
+    check_case("pallas_gpu", False, case_id, CASES[case_id], packed=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case_id", [0, 9, 10], ids=[CASES[c][0] for c in (0, 9, 10)])
+def test_gpu_kernel_unrolled_combine_compiled(case_id):
+    _needs_cuda()
+    check_case("pallas_gpu", False, case_id, CASES[case_id],
+               kernel_kw=dict(combine="unrolled", num_splits=3 if case_id else 7))
 
 
 @pytest.mark.gpu

@@ -27,10 +27,11 @@ def test_the_environment_is_read_once_and_checked():
     env = {"DSPINE_TOP_K_SPLIT": "0", "DSPINE_CHAIN_WALK": "steps", "DSPINE_RPA_COMBINE":
            "kernel", "DSPINE_WARP_SEARCH": "1", "DSPINE_WARP_UNFILTERED": "0",
            "DSPINE_TOP_K_GROUPED": "0", "DSPINE_RPA_FUSED_WRITE": "0",
-           "DSPINE_TOP_K_SELECT": "sort"}
+           "DSPINE_TOP_K_SELECT": "sort", "DSPINE_RPA_PACKED": "0"}
     assert Switches.from_environment(env) == Switches(
         warp_unfiltered=False, warp_search=True, chain_walk="steps", top_k_grouped=False,
-        top_k_split=False, rpa_fused_write=False, rpa_combine="kernel", top_k_select="sort")
+        top_k_split=False, rpa_fused_write=False, rpa_combine="kernel", top_k_select="sort",
+        rpa_packed=False)
     assert Switches.from_environment({}) == Switches() == current()
     with pytest.raises(ValueError, match="DSPINE_TOP_K_SPLIT must be 0 or 1"):
         Switches.from_environment({"DSPINE_TOP_K_SPLIT": "no"})
@@ -100,7 +101,7 @@ def test_chain_walk_switch_retraces_the_proposal(monkeypatch):
 
 
 @pytest.mark.parametrize("field, values", [("rpa_fused_write", (True, False)),
-                                           ("rpa_combine", ("xla", "kernel"))])
+                                           ("rpa_combine", ("xla", "unrolled", "kernel"))])
 def test_attention_switches_retrace_the_kernel(monkeypatch, field, values):
     from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
@@ -115,3 +116,33 @@ def test_attention_switches_retrace_the_kernel(monkeypatch, field, values):
         with Switches(**{field: value}).active():
             jax.block_until_ready(ragged_paged_attention(*args, implementation="pallas_gpu"))
     assert seen == list(values)
+
+
+def test_packed_switch_splits_the_operand_before_the_kernel(monkeypatch):
+    """rpa_packed on: the pallas backend hands the kernel the packed q/k/v as it is;
+    off: split into q, new_k and new_v first. The output is the same either way."""
+    import pallas_kernels
+    from dspine_jax.attention.backend import PallasBackend
+    from dspine_jax.attention.metadata import AttentionMetadata
+
+    calls = []
+    op = pallas_kernels.ragged_paged_attention
+
+    def record(q, new_k, *args, **kwargs):
+        calls.append(new_k is None)
+        return op(q, new_k, *args, **kwargs)
+
+    monkeypatch.setattr(pallas_kernels, "ragged_paged_attention", record)
+    rng = np.random.default_rng(0)
+    b, t, n, k, h = 2, 3, 4, 2, 64
+    qkv = jnp.asarray(rng.standard_normal((b, t, n + 2 * k, h)), jnp.float32)
+    pages = (jnp.zeros((6, 16, k, h)), jnp.zeros((6, 16, k, h)))
+    metadata = AttentionMetadata.paged(jnp.array([5, 0]), jnp.array([[0, 1], [2, 3]]), t)
+    outs = []
+    for packed in (True, False):
+        with Switches(rpa_packed=packed).active():
+            out, _ = PallasBackend("pallas_gpu", interpret=True).packed(
+                qkv, metadata, pages, num_kv_heads=k)
+            outs.append(np.asarray(out))
+    assert calls == [True, False]
+    np.testing.assert_array_equal(outs[0], outs[1])

@@ -51,6 +51,14 @@ class AttentionBackend:
             return self.paged(q, k, v, metadata, pages)
         return dot_product_attention(q, k, v, metadata.dense_mask), None
 
+    def packed(self, qkv: jax.Array, metadata: AttentionMetadata, pages=None, *,
+               num_kv_heads: int):
+        """As __call__ with q, k and v packed: qkv [B, T, N + 2K, H], each token's N query
+        heads, then its K keys, then its K values (`Attention.packed_qkv`)."""
+        n = qkv.shape[2] - 2 * num_kv_heads
+        q, k, v = qkv[:, :, :n], qkv[:, :, n:n + num_kv_heads], qkv[:, :, n + num_kv_heads:]
+        return self(q, k, v, metadata, pages)
+
     def paged(self, q, k, v, metadata, pages):
         raise NotImplementedError
 
@@ -158,6 +166,22 @@ class PallasBackend(AttentionBackend):
             metadata.kv_lens, metadata.q_lens, mask=KERNEL_MASK[metadata.mask],
             implementation=self.implementation, interpret=self.interpret)
         return out.astype(q.dtype), (k_pages, v_pages)
+
+    def packed(self, qkv, metadata, pages=None, *, num_kv_heads):
+        """Paged calls hand the packed operand to the kernel as it is: the GPU kernel reads
+        q, k and v at their offsets, with no split."""
+        from pallas_kernels import ragged_paged_attention
+        from pallas_kernels.switches import current
+
+        if not metadata.is_paged or not current().rpa_packed:
+            return super().packed(qkv, metadata, pages, num_kv_heads=num_kv_heads)
+        if metadata.mask not in KERNEL_MASK:
+            raise ValueError(f"the pallas backend has no paged {metadata.mask!r} mask")
+        out, k_pages, v_pages = ragged_paged_attention(
+            qkv.astype(pages[0].dtype), None, None, *pages, metadata.page_table,
+            metadata.kv_lens, metadata.q_lens, mask=KERNEL_MASK[metadata.mask],
+            implementation=self.implementation, interpret=self.interpret)
+        return out.astype(qkv.dtype), (k_pages, v_pages)
 
     def check(self, *, head_dim, num_heads, num_kv_heads, dtype, page_size):
         from pallas_kernels.ragged_paged_attention import common

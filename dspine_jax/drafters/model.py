@@ -75,10 +75,12 @@ class DrafterLayer(DecoderLayer):
         [B, S, K, H], keys are [context ; block] under metadata.dense_mask [B, Q, S + Q].
         -> (x, ctx after the write)."""
         h = self.input_layernorm(x)
-        q, k, v = self.self_attn.project(h, metadata.positions)
         if metadata.is_paged:
-            out, ctx = attention(q, k, v, metadata, ctx)
+            out, ctx = attention.packed(self.self_attn.packed_qkv(h, metadata.positions),
+                                        metadata, ctx,
+                                        num_kv_heads=self.self_attn.config.num_key_value_heads)
         else:
+            q, k, v = self.self_attn.project(h, metadata.positions)
             ctx_k, ctx_v = ctx
             out, _ = attention(q, jnp.concatenate([ctx_k, k.astype(ctx_k.dtype)], 1),
                                jnp.concatenate([ctx_v, v.astype(ctx_v.dtype)], 1), metadata)

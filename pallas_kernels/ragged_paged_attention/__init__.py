@@ -13,7 +13,7 @@ import functools
 
 import jax
 
-from .common import IMPLEMENTATIONS, MASKS, check_inputs
+from .common import IMPLEMENTATIONS, MASKS, check_inputs, split_packed
 from ..platform import backend_implementation
 from ..switches import current
 from .reference import ragged_paged_attention_reference
@@ -29,6 +29,9 @@ def ragged_paged_attention(q, new_k, new_v, k_pages, v_pages, page_table, kv_len
 
     Args:
       q: [B, T, N, H] queries; row b uses its first q_lens[b], the rest are padding.
+        With new_k = new_v = None, q is packed: [B, T, N + 2K, H], each token's N query
+        heads, then its K keys, then its K values (a fused q/k/v projection's output
+        as it lies, after RoPE), which the GPU kernel reads in place.
       new_k, new_v: [B, T, K, H] keys/values of those T tokens (RoPE already applied).
       k_pages, v_pages: [P, page_size, K, H] the layer's page pools (donate them).
       page_table: [B, pages_per_seq] int32 page ids of each row, in order. An id outside
@@ -67,6 +70,8 @@ def _ragged_paged_attention(q, new_k, new_v, k_pages, v_pages, page_table, kv_le
                      sm_scale=sm_scale, implementation=implementation)
         if implementation == "auto":
             implementation = backend_implementation()
+        if implementation != "pallas_gpu" and new_k is None:
+            q, new_k, new_v = split_packed(q, k_pages.shape[2])
         args = (q, new_k, new_v, k_pages, v_pages, page_table, kv_lens, q_lens)
         if implementation == "xla":
             return ragged_paged_attention_reference(*args, mask=mask, sm_scale=sm_scale)

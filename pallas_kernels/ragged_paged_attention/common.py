@@ -32,10 +32,17 @@ def check_inputs(q, new_k, new_v, k_pages, v_pages, page_table, kv_lens, q_lens,
         fail(f"sm_scale must be a Python number or None, got {type(sm_scale).__name__}")
     if q.ndim != 4:
         fail(f"q must be [B, T, N, H], got shape {q.shape}")
-    b, t, n, h = q.shape
     if k_pages.ndim != 4:
         fail(f"k_pages must be [P, page_size, K, H], got shape {k_pages.shape}")
     _, page_size, kv_heads, _ = k_pages.shape
+    if (new_k is None) != (new_v is None):
+        fail("new_k and new_v must both be arrays, or both None (q packed)")
+    if new_k is None:
+        if q.shape[2] <= 2 * kv_heads:
+            fail(f"packed q must be [B, T, N + 2K, H] with N >= 1 and K={kv_heads} (from "
+                 f"the pools), got shape {q.shape}")
+        q, new_k, new_v = split_packed(q, kv_heads)
+    b, t, n, h = q.shape
     if v_pages.shape != k_pages.shape:
         fail(f"v_pages shape {v_pages.shape} differs from k_pages shape {k_pages.shape}")
     for name, x in (("new_k", new_k), ("new_v", new_v)):
@@ -68,6 +75,12 @@ def check_inputs(q, new_k, new_v, k_pages, v_pages, page_table, kv_lens, q_lens,
     for name, x in (("page_table", page_table), ("kv_lens", kv_lens), ("q_lens", q_lens)):
         if jnp.dtype(x.dtype) != jnp.dtype(jnp.int32):
             fail(f"{name} must be int32, got {x.dtype}")
+
+
+def split_packed(qkv, kv_heads: int):
+    """[B, T, N + 2K, H] -> q [B, T, N, H], new_k and new_v [B, T, K, H]."""
+    n = qkv.shape[2] - 2 * kv_heads
+    return qkv[:, :, :n], qkv[:, :, n:n + kv_heads], qkv[:, :, n + kv_heads:]
 
 
 def write_new_tokens(new_k, new_v, k_pages, v_pages, page_table, kv_lens, q_lens):

@@ -49,6 +49,7 @@ still ships; a Mosaic GPU port would keep this file's grid and combine.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -67,7 +68,32 @@ LOG2E = math.log2(math.e)
 # them; one program per (row, kv head) does, WRITE_CHUNK tokens per store.
 FUSED_WRITE_MAX_T = 64
 WRITE_CHUNK = 32
-COMBINES = ("xla", "kernel")
+COMBINES = ("xla", "unrolled", "kernel")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenRows:
+    """Where token i = b * T + t keeps its heads in the kernel's flat [rows, H] inputs:
+    q head j at row i * q_stride + j, kv head kh of the new keys/values at
+    i * kv_stride + kh + k_offset / v_offset."""
+    q_stride: int
+    kv_stride: int
+    k_offset: int = 0
+    v_offset: int = 0
+
+    @classmethod
+    def separate(cls, n_heads: int, kv_heads: int) -> "TokenRows":
+        """q [B, T, N, H], new_k and new_v [B, T, K, H]: three arrays."""
+        return cls(n_heads, kv_heads)
+
+    @classmethod
+    def packed(cls, n_heads: int, kv_heads: int) -> "TokenRows":
+        """One [B, T, N + 2K, H] array, each token's q heads, then k, then v."""
+        width = n_heads + 2 * kv_heads
+        return cls(width, width, n_heads, n_heads + kv_heads)
+
+    def kv_row(self, token, kv_head):
+        return token * self.kv_stride + kv_head
 
 
 def _next_pow2(x: int) -> int:
@@ -87,17 +113,19 @@ def _kernel(page_table_ref, kv_lens_ref, q_lens_ref, q_ref, new_k_ref, new_v_ref
             k_ref, v_ref,
             o_ref, m_ref, l_ref, k_out_ref, v_out_ref,                      # outputs
             *, page_size, kv_heads, group, t_len, block_m, block_n, m_tiles, causal,
-            scale_log2, precision, fused):
+            scale_log2, precision, fused, rows):
     """fused: the pools hold keys [0, ctx) only; this call's keys come from new_k/new_v
     and the kernel writes them into the pools (k_out_ref/v_out_ref). Otherwise the pools
-    already hold every key [0, kv_len) and new_k/new_v are not read."""
+    already hold every key [0, kv_len) and new_k/new_v are not read.
+
+    rows: a `TokenRows`, where token (b, t)'s heads are in q_ref, new_k_ref and new_v_ref
+    (one packed array passed three times, or three arrays)."""
     b = pl.program_id(0)
     kh = pl.program_id(1) // m_tiles
     mt = pl.program_id(1) % m_tiles
     split = pl.program_id(2)
     num_splits = pl.num_programs(2)
     pages_per_seq = page_table_ref.shape[1] // 2
-    n_heads = kv_heads * group
     num_pages = k_ref.shape[0] // (page_size * kv_heads)
 
     kv_len = kv_lens_ref[b]
@@ -108,8 +136,9 @@ def _kernel(page_table_ref, kv_lens_ref, q_lens_ref, q_ref, new_k_ref, new_v_ref
     m_idx = mt * block_m + jnp.arange(block_m, dtype=jnp.int32)
     tok = jnp.minimum(m_idx // group, t_len - 1)
     q_pos = ctx + m_idx // group                                       # [BM]
-    # q is [B * T * N, H]: row (b * T + t) * N + kh * G + g, gathered here (no packed copy)
-    q = q_ref[(b * t_len + tok) * n_heads + kh * group + m_idx % group, :]   # [BM, H]
+    # q head kh * G + g of token (b, t) is row (b * T + t) * q_stride + kh * G + g,
+    # gathered here (no packed copy)
+    q = q_ref[(b * t_len + tok) * rows.q_stride + kh * group + m_idx % group, :]  # [BM, H]
     head_dim = q.shape[-1]
 
     # The pool keys this program reads: [0, ctx) when fused, else [0, kv_len) (up to the
@@ -205,10 +234,10 @@ def _kernel(page_table_ref, kv_lens_ref, q_lens_ref, q_ref, new_k_ref, new_v_ref
         t_pad = max(16, _next_pow2(t_len))
         t_idx = jnp.arange(t_pad, dtype=jnp.int32)
         real = t_idx < q_len                                           # [TP]
-        row = (b * t_len + jnp.minimum(t_idx, jnp.maximum(q_len - 1, 0))) * kv_heads + kh
+        row = rows.kv_row(b * t_len + jnp.minimum(t_idx, jnp.maximum(q_len - 1, 0)), kh)
         # zeros where no token is: padding tokens may hold anything, 0 * NaN is NaN
-        k = jnp.where(real[:, None], new_k_ref[row, :], 0)
-        v = jnp.where(real[:, None], new_v_ref[row, :], 0)
+        k = jnp.where(real[:, None], new_k_ref[row + rows.k_offset, :], 0)
+        v = jnp.where(real[:, None], new_v_ref[row + rows.v_offset, :], 0)
         s = pltriton.dot(q, k, trans_b=True, precision=precision)     # [BM, TP]
         visible = real[None, :] & (split == num_splits - 1)
         if causal:
@@ -236,12 +265,14 @@ def _kernel(page_table_ref, kv_lens_ref, q_lens_ref, q_ref, new_k_ref, new_v_ref
                 # interpret mode (which stores a masked lane by writing back what it read)
                 # drops them as out of range instead of undoing a real lane's store
                 dst = jnp.where(real, dst, k_out_ref.shape[0] + t_idx)
-                src = (b * t_len + jnp.minimum(t_idx, t_len - 1)) * kv_heads + kh
+                src = rows.kv_row(b * t_len + jnp.minimum(t_idx, t_len - 1), kh)
                 # [chunk, H] element indices: a masked scatter (interpret mode wants
                 # every index an array)
                 keep = jnp.broadcast_to(real[:, None], (chunk, head_dim))
-                for src_ref, dst_ref in ((new_k_ref, k_out_ref), (new_v_ref, v_out_ref)):
-                    pltriton.store(dst_ref.at[dst[:, None], cols], src_ref[src, :], mask=keep)
+                for src_ref, offset, dst_ref in ((new_k_ref, rows.k_offset, k_out_ref),
+                                                 (new_v_ref, rows.v_offset, v_out_ref)):
+                    pltriton.store(dst_ref.at[dst[:, None], cols], src_ref[src + offset, :],
+                                   mask=keep)
 
 
 def default_config(b, t, n, h, kv_heads, page_size, pages_per_seq, dtype):
@@ -282,13 +313,15 @@ def ragged_paged_attention_gpu(q, new_k, new_v, k_pages, v_pages, page_table, kv
                                q_lens, *, mask="causal", sm_scale=None, interpret=False,
                                block_m=None, block_n=None, num_splits=None, num_warps=None,
                                num_stages=None, fused_write=None, combine=None):
-    """The op on a GPU (arguments as `ragged_paged_attention`).
+    """The op on a GPU (arguments as `ragged_paged_attention`; new_k = new_v = None: q
+    is the packed [B, T, N + 2K, H], read in place).
 
     fused_write: the kernel writes this call's tokens into the pools itself (at most
     FUSED_WRITE_MAX_T tokens per row; longer calls, prefill, are written by an XLA
     scatter first); default: the `rpa_fused_write` switch (on).
     combine: how the S partials are merged and laid out as [B, T, N, H]: "xla" (XLA
-    fusions) or "kernel" (`_combine_kernel`, one small Pallas kernel); default: the
+    reductions over the splits), "unrolled" (the same, split by split: one XLA loop
+    fusion) or "kernel" (`_combine_kernel`, one small Pallas kernel); default: the
     `rpa_combine` switch ("xla"). block_m .. num_stages override `default_config`.
     """
     if fused_write is None:
@@ -298,8 +331,10 @@ def ragged_paged_attention_gpu(q, new_k, new_v, k_pages, v_pages, page_table, kv
     if combine not in COMBINES:
         raise ValueError(f"ragged_paged_attention: combine must be one of {COMBINES}, "
                          f"got {combine!r}")
-    b, t, n, h = q.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
+    packed = new_k is None
+    b, t, width, h = q.shape
+    n = width - 2 * kv_heads if packed else width
     group = n // kv_heads
     pages_per_seq = page_table.shape[1]
     cfg = default_config(b, t, n, h, kv_heads, page_size, pages_per_seq, q.dtype)
@@ -313,15 +348,23 @@ def ragged_paged_attention_gpu(q, new_k, new_v, k_pages, v_pages, page_table, kv
     m_pad = m_tiles * block_m
 
     fused = fused_write and t <= FUSED_WRITE_MAX_T
+    if packed:
+        rows = TokenRows.packed(n, kv_heads)
+        # [B * T * (N + 2K), H] (a free reshape), read as q, new_k and new_v at offsets
+        q_flat = new_k_flat = new_v_flat = q.reshape(b * t * width, h)
+        if not fused:
+            new_k, new_v = q[:, :, n:n + kv_heads], q[:, :, n + kv_heads:]
+    else:
+        rows = TokenRows.separate(n, kv_heads)
+        # [B * T * N, H] and [B * T * K, H] (free reshapes): the kernel gathers its rows
+        q_flat = q.reshape(b * t * n, h)
+        new_k_flat = new_k.reshape(b * t * kv_heads, h)
+        new_v_flat = new_v.reshape(b * t * kv_heads, h)
     if not fused:
         k_pages, v_pages = write_new_tokens(new_k, new_v, k_pages, v_pages, page_table,
                                             kv_lens, q_lens)
     # [B, 2 * PPS] int16: each page id as (low, high) halves
     pt16 = lax.bitcast_convert_type(page_table, jnp.int16).reshape(b, 2 * pages_per_seq)
-    # [B * T * N, H] and [B * T * K, H] (free reshapes): the kernel gathers its rows
-    q_flat = q.reshape(b * t * n, h)
-    new_k_flat = new_k.reshape(b * t * kv_heads, h)
-    new_v_flat = new_v.reshape(b * t * kv_heads, h)
     # [P * PS * K, H]: row (page * PS + slot) * K + kv_head (a free reshape)
     pool_rows = num_pages * page_size * kv_heads
     k_flat = k_pages.reshape(pool_rows, h)
@@ -332,7 +375,7 @@ def ragged_paged_attention_gpu(q, new_k, new_v, k_pages, v_pages, page_table, kv
         _kernel, page_size=page_size, kv_heads=kv_heads, group=group, t_len=t,
         block_m=block_m, block_n=block_n, m_tiles=m_tiles, causal=mask == "causal",
         scale_log2=default_scale(sm_scale, h) * LOG2E, precision=precision,
-        fused=fused)
+        fused=fused, rows=rows)
     if not fused:     # the pools are inputs only: no outputs to write them through
         kernel = functools.partial(_no_pool_outputs, kernel)
     whole = pl.no_block_spec
@@ -365,16 +408,32 @@ def ragged_paged_attention_gpu(q, new_k, new_v, k_pages, v_pages, page_table, kv
         v_pages = outs[4].reshape(v_pages.shape)
 
     if combine == "kernel":
-        out = _combine_call(o, m_max, l_sum, q_lens, q.shape, m_tiles, block_m, q.dtype,
+        out = _combine_call(o, m_max, l_sum, q_lens, (b, t, n, h), m_tiles, block_m, q.dtype,
                             interpret)
         return out, k_pages, v_pages
-    # Combine the S partials (log2 units): [B, K, S, M, H] -> [B, K, M, H]
     o, m_max, l_sum = o[:, :, :, :m], m_max[:, :, :, :m], l_sum[:, :, :, :m]
+    merge = _merge_unrolled if combine == "unrolled" else _merge
+    return unpack_outputs(merge(o, m_max, l_sum), (b, t, n, h), q_lens, q.dtype), k_pages, v_pages
+
+
+def _merge(o, m_max, l_sum):
+    """The S partials (log2 units) merged: o [B, K, S, M, H], m_max and l_sum [B, K, S, M]
+    -> [B, K, M, H], by reductions over S (XLA: two fusions)."""
     m_all = m_max.max(axis=2, keepdims=True)
     w = jnp.exp2(m_max - m_all)
     l_all = (w * l_sum).sum(axis=2)
-    out = (w[..., None] * o).sum(axis=2) / jnp.where(l_all > 0, l_all, 1.0)[..., None]
-    return unpack_outputs(out, q.shape, q_lens, q.dtype), k_pages, v_pages
+    return (w[..., None] * o).sum(axis=2) / jnp.where(l_all > 0, l_all, 1.0)[..., None]
+
+
+def _merge_unrolled(o, m_max, l_sum):
+    """As `_merge`, written split by split: element-wise over S slices, no reduction, so
+    XLA can make the merge and the layout that follows one loop fusion."""
+    splits = range(o.shape[2])
+    m_all = functools.reduce(jnp.maximum, [m_max[:, :, s] for s in splits])
+    w = [jnp.exp2(m_max[:, :, s] - m_all) for s in splits]
+    l_all = functools.reduce(jnp.add, [w[s] * l_sum[:, :, s] for s in splits])
+    acc = functools.reduce(jnp.add, [w[s][..., None] * o[:, :, s] for s in splits])
+    return acc / jnp.where(l_all > 0, l_all, 1.0)[..., None]
 
 
 def _combine_kernel(q_lens_ref, o_ref, m_ref, l_ref, out_ref, *, num_splits, group, t_len,
