@@ -17,12 +17,12 @@ until a new decoder is built. Outside any decoder, `current()` is the defaults.
                                                       chain is walked
   top_k_grouped      DSPINE_TOP_K_GROUPED     1 | 0   the grouped top-k on GPUs
   top_k_split        DSPINE_TOP_K_SPLIT       1 | 0   the split top-k on GPUs
-  top_k_select       DSPINE_TOP_K_SELECT      topk | sort   the grouped top-k's two
-                                                      selections: XLA's TopK, or a sort
-                                                      of each row
+  top_k_select       DSPINE_TOP_K_SELECT      sort | topk   the grouped top-k's two
+                                                      selections: a sort of each row, or
+                                                      XLA's TopK
   rpa_fused_write    DSPINE_RPA_FUSED_WRITE   1 | 0   the attention kernel writes the new
                                                       tokens into the pages itself
-  rpa_combine        DSPINE_RPA_COMBINE       xla | unrolled | kernel   how the
+  rpa_combine        DSPINE_RPA_COMBINE       unrolled | xla | kernel   how the
                                                       attention kernel's split partials
                                                       are merged
   rpa_packed         DSPINE_RPA_PACKED        1 | 0   the GPU attention kernel reads q, k
@@ -39,8 +39,8 @@ import os
 from typing import Iterator, Mapping
 
 CHAIN_WALKS = ("auto", "all", "steps")
-COMBINES = ("xla", "unrolled", "kernel")
-TOP_K_SELECTS = ("topk", "sort")
+COMBINES = ("unrolled", "xla", "kernel")
+TOP_K_SELECTS = ("sort", "topk")
 FLAGS = {"warp_unfiltered": ("DSPINE_WARP_UNFILTERED", True),
          "warp_search": ("DSPINE_WARP_SEARCH", False),
          "top_k_grouped": ("DSPINE_TOP_K_GROUPED", True),
@@ -59,9 +59,9 @@ class Switches:
     chain_walk: str = "auto"
     top_k_grouped: bool = True
     top_k_split: bool = True
-    top_k_select: str = "topk"
+    top_k_select: str = "sort"
     rpa_fused_write: bool = True
-    rpa_combine: str = "xla"
+    rpa_combine: str = "unrolled"
     rpa_packed: bool = True
 
     def __post_init__(self):

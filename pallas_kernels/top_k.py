@@ -6,16 +6,17 @@ rows pay a fixed cost each. On a GPU, therefore:
   * k >= 2: `grouped_top_k` cuts each row into groups of G, one reduction takes every
     group's maximum, a selection over the maxima picks the k groups that can hold the
     row's top-k, and a selection over their k * G entries finishes. Each selection is
-    XLA's TopK, or with the switch `top_k_select=sort` a sort on (value descending,
-    index ascending) of a row of ~1,000 (one shared-memory sort kernel);
+    a sort on (value descending, index ascending) of a row of ~1,000 (one shared-memory
+    sort kernel; half the time of XLA's TopK on an H100), or XLA's TopK with the switch
+    `top_k_select=topk`;
   * k = 1, or rows too short to group: when the rows are too few to fill the GPU,
     `two_stage_top_k` splits each into as many chunks as fill one wave (each at least
     MIN_CHUNK long), takes each chunk's top-k, then the top-k of the survivors.
 Elsewhere (CPU, TPU) one lax.top_k. Both paths are exact: an entry of the row's top-k is
 in the top-k of its own group or chunk, and survivors keep index order. The switches
 `top_k_grouped`, `top_k_split` and `top_k_select` (`pallas_kernels.switches`;
-DSPINE_TOP_K_GROUPED=0, DSPINE_TOP_K_SPLIT=0, DSPINE_TOP_K_SELECT=sort) turn the paths
-off or to the sort (docs/benchmarks.md, "Engine options").
+DSPINE_TOP_K_GROUPED=0, DSPINE_TOP_K_SPLIT=0, DSPINE_TOP_K_SELECT=topk) turn the paths
+off or back to XLA's TopK (docs/benchmarks.md, "Engine options").
 
 Shape legend: R rows, V row length, C chunk, n = ceil(V / C) chunks; G group, n = ceil(V / G)
 groups; N a selection's row length.

@@ -218,6 +218,13 @@ def test_gpu_kernel_unrolled_combine_interpreted(case_id):
                kernel_kw=dict(combine="unrolled", num_splits=3 if case_id else 7))
 
 
+def test_gpu_kernel_unrolled_combine_past_its_split_limit_interpreted(monkeypatch):
+    """More splits than MAX_UNROLLED_SPLITS: merged by reductions instead."""
+    monkeypatch.setattr(rpa_gpu, "MAX_UNROLLED_SPLITS", 2)
+    check_case("pallas_gpu", True, 9, CASES[9], kernel_kw=dict(combine="unrolled",
+                                                               num_splits=3))
+
+
 def test_gpu_kernel_page_larger_than_key_tile_interpreted():
     check_case("pallas_gpu", True, 1, LONG_PAGE_CASE, kernel_kw=dict(block_n=32))
 

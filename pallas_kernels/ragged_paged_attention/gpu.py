@@ -10,10 +10,15 @@ The grid is (B, K * ceil(M / BM), S): flash-decoding splits each row's key range
 programs (default_config: at least two programs per multiprocessor, up to four for wide
 query tiles), each program runs an online softmax over its key tiles and writes an
 unnormalised partial (acc, max, sum); a small XLA combine merges the S partials and lays
-them out as [B, T, N, H] (two or three fusions), or, with combine="kernel"
-(the `rpa_combine` switch), one small Pallas kernel does both (`_combine_kernel`: one
-program per (row, kv head, query tile), an online merge over the splits); it is off by
-default, being the slower of the two on an H200 (docs/benchmarks.md, "Engine options").
+them out as [B, T, N, H]: written split by split, element-wise, it is one loop fusion
+(`_merge_unrolled`; by reductions over S, two). With combine="kernel" (the `rpa_combine`
+switch) one small Pallas kernel does both (`_combine_kernel`: one program per (row, kv
+head, query tile), an online merge over the splits), the slower way on an H200
+(docs/benchmarks.md, "Engine options").
+
+The operands. q, new_k and new_v are three arrays, or one packed [B, T, N + 2K, H]
+(`TokenRows`): the target's fused q/k/v projection after RoPE, read in place at each
+token's row offsets, so no XLA kernel splits it.
 
 Keys. A tile of BN keys is gathered through the page table: BN / PS page ids per tile
 (scalar loads), then each key's H values, which are contiguous in the pool (the keys of
@@ -68,7 +73,10 @@ LOG2E = math.log2(math.e)
 # them; one program per (row, kv head) does, WRITE_CHUNK tokens per store.
 FUSED_WRITE_MAX_T = 64
 WRITE_CHUNK = 32
-COMBINES = ("xla", "unrolled", "kernel")
+COMBINES = ("unrolled", "xla", "kernel")
+# The unrolled merge writes one expression per split; past this many it merges by
+# reductions (compile time; a long context at batch 1 can have ~100 splits).
+MAX_UNROLLED_SPLITS = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,10 +327,11 @@ def ragged_paged_attention_gpu(q, new_k, new_v, k_pages, v_pages, page_table, kv
     fused_write: the kernel writes this call's tokens into the pools itself (at most
     FUSED_WRITE_MAX_T tokens per row; longer calls, prefill, are written by an XLA
     scatter first); default: the `rpa_fused_write` switch (on).
-    combine: how the S partials are merged and laid out as [B, T, N, H]: "xla" (XLA
-    reductions over the splits), "unrolled" (the same, split by split: one XLA loop
-    fusion) or "kernel" (`_combine_kernel`, one small Pallas kernel); default: the
-    `rpa_combine` switch ("xla"). block_m .. num_stages override `default_config`.
+    combine: how the S partials are merged and laid out as [B, T, N, H]: "unrolled"
+    (split by split, element-wise: one XLA loop fusion; by reductions past
+    MAX_UNROLLED_SPLITS), "xla" (reductions over the splits: two fusions) or "kernel"
+    (`_combine_kernel`, one small Pallas kernel); default: the `rpa_combine` switch
+    ("unrolled"). block_m .. num_stages override `default_config`.
     """
     if fused_write is None:
         fused_write = current_switches().rpa_fused_write
@@ -412,7 +421,8 @@ def ragged_paged_attention_gpu(q, new_k, new_v, k_pages, v_pages, page_table, kv
                             interpret)
         return out, k_pages, v_pages
     o, m_max, l_sum = o[:, :, :, :m], m_max[:, :, :, :m], l_sum[:, :, :, :m]
-    merge = _merge_unrolled if combine == "unrolled" else _merge
+    unrolled = combine == "unrolled" and num_splits <= MAX_UNROLLED_SPLITS
+    merge = _merge_unrolled if unrolled else _merge
     return unpack_outputs(merge(o, m_max, l_sum), (b, t, n, h), q_lens, q.dtype), k_pages, v_pages
 
 
