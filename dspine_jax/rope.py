@@ -10,6 +10,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.rope import rotate_half_split
+
 from dspine_jax.config import TargetConfig
 
 
@@ -83,7 +85,4 @@ def rope_table(positions: jnp.ndarray, inv_freq: np.ndarray,
 def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, inv_freq: np.ndarray,
                attention_factor: float = 1.0) -> jnp.ndarray:
     """Rotate x [B, T, N, H] at integer positions [B, T]; float32 math, x's dtype out."""
-    # [B, T, 1, H/2]
-    cos, sin = (c[:, :, None, :] for c in rope_table(positions, inv_freq, attention_factor))
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    return rotate_half_split(x, *rope_table(positions, inv_freq, attention_factor))

@@ -26,7 +26,7 @@ from dspine_jax.errors import ConfigError
 from dspine_jax.fused_layers import FusedLayers, rope_rows
 from dspine_jax.kv_cache import PagedKVCache
 from dspine_jax.layers import MLP, Embedding, Linear, RMSNorm, split_sizes, stacked_linear
-from dspine_jax.rope import apply_rope, rope_frequencies
+from dspine_jax.rope import apply_rope, rope_frequencies, rope_table
 
 
 @struct.dataclass
@@ -96,11 +96,26 @@ class Attention(nnx.Module):
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         return (self._rotated_q(q, positions),) + self.rotated_kv(k, v, positions)
 
-    def packed_qkv(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        """x [B, T, D] -> [B, T, N + 2K, H]: each token's rotated q heads, then its k
-        and v heads: the paged attention's packed operand, built by one XLA fusion (the
-        split, RoPE and qk norms of the fused projection) where three kernels ran."""
-        return jnp.concatenate(self.project(x, positions), axis=2)
+    def packed_qkv(self, x: jax.Array) -> jax.Array:
+        """x [B, T, D] -> [B, T, N + 2K, H]: each token's q heads, then its k and v heads,
+        normed where the model norms them and not yet rotated: the attention's packed
+        operand (`AttentionBackend.packed`), the fused projection's output as it lies
+        where the model has no qk norms."""
+        c = self.config
+        n, k = c.num_attention_heads, c.num_key_value_heads
+        if self.fused:
+            qkv = self.qkv_proj(x)
+        else:
+            qkv = jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
+        qkv = qkv.reshape(*x.shape[:2], n + 2 * k, c.head_dim)
+        if c.qk_norm:
+            qkv = jnp.concatenate([self.q_norm(qkv[:, :, :n]), self.k_norm(qkv[:, :, n:n + k]),
+                                   qkv[:, :, n + k:]], axis=2)
+        return qkv
+
+    def rotation(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(cos, sin) [B, T, H/2] float32 of positions [B, T]: the RoPE of this layer."""
+        return rope_table(positions, *rope_frequencies(self.config))
 
     def project_kv(self, x: jax.Array, positions: jax.Array):
         """Keys and values of x alone: how an unfused drafter turns target features into
@@ -131,9 +146,10 @@ class Attention(nnx.Module):
         -> (out [B, T, D], the pages after the write or None)."""
         # the named scopes label the op groups of `profile_step`'s roofline table
         with jax.named_scope("qkv"):
-            qkv = self.packed_qkv(x, metadata.positions)
+            qkv = self.packed_qkv(x)
+            rotation = self.rotation(metadata.positions)
         with jax.named_scope("attention"):
-            out, pages = attention.packed(qkv, metadata, pages,
+            out, pages = attention.packed(qkv, metadata, pages, rotation=rotation,
                                           num_kv_heads=self.config.num_key_value_heads)
         b, t = x.shape[:2]
         with jax.named_scope("o_proj"):

@@ -28,6 +28,9 @@ until a new decoder is built. Outside any decoder, `current()` is the defaults.
   rpa_packed         DSPINE_RPA_PACKED        1 | 0   the GPU attention kernel reads q, k
                                                       and v from the layer's one packed
                                                       operand (0: split first)
+  rpa_rope           DSPINE_RPA_ROPE          1 | 0   the GPU attention kernel rotates q
+                                                      and the new keys as it loads them
+                                                      (0: an XLA fusion first)
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ FLAGS = {"warp_unfiltered": ("DSPINE_WARP_UNFILTERED", True),
          "top_k_grouped": ("DSPINE_TOP_K_GROUPED", True),
          "top_k_split": ("DSPINE_TOP_K_SPLIT", True),
          "rpa_fused_write": ("DSPINE_RPA_FUSED_WRITE", True),
-         "rpa_packed": ("DSPINE_RPA_PACKED", True)}
+         "rpa_packed": ("DSPINE_RPA_PACKED", True),
+         "rpa_rope": ("DSPINE_RPA_ROPE", True)}
 CHOICES = {"chain_walk": ("DSPINE_CHAIN_WALK", CHAIN_WALKS),
            "rpa_combine": ("DSPINE_RPA_COMBINE", COMBINES),
            "top_k_select": ("DSPINE_TOP_K_SELECT", TOP_K_SELECTS)}
@@ -63,6 +67,7 @@ class Switches:
     rpa_fused_write: bool = True
     rpa_combine: str = "unrolled"
     rpa_packed: bool = True
+    rpa_rope: bool = True
 
     def __post_init__(self):
         for name, (variable, allowed) in CHOICES.items():

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention import common as rpa_common
 from pallas_kernels.ragged_paged_attention import gpu as rpa_gpu
 from pallas_kernels.ragged_paged_attention import tpu as rpa_tpu
 
@@ -143,9 +144,21 @@ def bits(x):
     return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
 
 
-def check_case(implementation, interpret, case_id, spec, kernel_kw=None, packed=False):
+def rope_tables(case, head_dim):
+    """(cos, sin) [B, T, H/2] float32 of each token's position (ctx + t), from float64."""
+    b, t = case["q"].shape[:2]
+    pos = (case["kv_lens"] - case["q_lens"])[:, None] + np.arange(t)[None, :]
+    inv_freq = 10000.0 ** (-np.arange(0, head_dim, 2) / head_dim)
+    angles = pos[..., None] * inv_freq
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def check_case(implementation, interpret, case_id, spec, kernel_kw=None, packed=False,
+               rope=False):
     """kernel_kw: call the implementation's kernel directly with these config arguments.
-    packed: pass q, new_k and new_v as one [B, T, N + 2K, H] array (new_k = new_v = None)."""
+    packed: pass q, new_k and new_v as one [B, T, N + 2K, H] array (new_k = new_v = None).
+    rope: pass q and new_k unrotated with their rotation tables; the reference rotates
+    them first by the pure-JAX rule (`rotate_half_split`)."""
     name, t, kv_heads, group, h, dtype, mask, page_size, kv_lens, q_lens = spec
     case = make_case(case_id, t, kv_heads, group, h, dtype, page_size, kv_lens, q_lens)
     scale = 0.7 * h ** -0.5 if case_id % 2 else None           # both default and explicit
@@ -153,21 +166,33 @@ def check_case(implementation, interpret, case_id, spec, kernel_kw=None, packed=
                                            "page_table", "kv_lens", "q_lens")]
     if packed:
         args[:3] = [jnp.concatenate(args[:3], axis=2), None, None]
+    call_kw = {}
+    if rope:
+        tables = tuple(jnp.asarray(x) for x in rope_tables(case, h))
+        call_kw["rope"] = tables
+        for key in ("q", "new_k"):       # what the op must attend with and write
+            case[key] = np.asarray(rpa_common.rotate_half_split(jnp.asarray(case[key]),
+                                                                *tables))
     if kernel_kw is None:
         out, k_pages, v_pages = ragged_paged_attention(
             *args, mask=mask, sm_scale=scale, implementation=implementation,
-            interpret=interpret)
+            interpret=interpret, **call_kw)
     else:
         kernel = (rpa_tpu.ragged_paged_attention_tpu if implementation == "pallas_tpu"
                   else rpa_gpu.ragged_paged_attention_gpu)
         call = functools.partial(kernel, mask=mask, sm_scale=scale, interpret=interpret,
-                                 **kernel_kw)
+                                 **kernel_kw, **call_kw)
         out, k_pages, v_pages = jax.jit(call)(*args)
     ref_out, ref_k, ref_v = numpy_reference(case, mask, scale or h ** -0.5)
 
     assert out.shape == case["q"].shape and out.dtype == jnp.dtype(dtype)
-    # the pools: new tokens at their slots, every other slot bit-unchanged (NaN included)
-    np.testing.assert_array_equal(bits(k_pages), bits(ref_k))
+    # the pools: new tokens at their slots, every other slot bit-unchanged (NaN included);
+    # keys rotated inside a kernel may differ from XLA's rotation in the last place
+    if rope:
+        np.testing.assert_allclose(np.asarray(k_pages, np.float64), ref_k, equal_nan=True,
+                                   rtol=TOL[dtype], atol=TOL[dtype])
+    else:
+        np.testing.assert_array_equal(bits(k_pages), bits(ref_k))
     np.testing.assert_array_equal(bits(v_pages), bits(ref_v))
     out = np.asarray(out, np.float64)
     valid = np.arange(t)[None, :] < case["q_lens"][:, None]
@@ -203,6 +228,16 @@ PACKED_CASES = [0, 2, 4, 9, 11]
 def test_packed_qkv_matches_float64_reference(implementation, case_id):
     """q, new_k and new_v as one packed operand: the GPU kernel reads it in place."""
     check_case(implementation, implementation != "xla", case_id, CASES[case_id], packed=True)
+
+
+@pytest.mark.parametrize("implementation", INTERPRETED)
+@pytest.mark.parametrize("packed", [False, True], ids=["separate", "packed"])
+@pytest.mark.parametrize("case_id", PACKED_CASES, ids=[CASES[c][0] for c in PACKED_CASES])
+def test_rope_in_the_op_matches_float64_reference(implementation, packed, case_id):
+    """q and new_k unrotated with their tables: the GPU kernel rotates them as it loads
+    them (the prefill case by XLA first), the other paths by XLA."""
+    check_case(implementation, implementation != "xla", case_id, CASES[case_id],
+               packed=packed, rope=True)
 
 
 @pytest.mark.parametrize("case_id", range(len(CASES)), ids=[c[0] for c in CASES])
@@ -347,6 +382,14 @@ def test_gpu_kernel_unrolled_combine_compiled(case_id):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("packed", [False, True], ids=["separate", "packed"])
+@pytest.mark.parametrize("case_id", PACKED_CASES, ids=[CASES[c][0] for c in PACKED_CASES])
+def test_gpu_kernel_rope_compiled(packed, case_id):
+    _needs_cuda()
+    check_case("pallas_gpu", False, case_id, CASES[case_id], packed=packed, rope=True)
+
+
+@pytest.mark.gpu
 def test_gpu_kernel_rows_without_pages_compiled():
     _needs_cuda()
     check_rows_without_pages("pallas_gpu", False)
@@ -411,3 +454,24 @@ def test_disagreeing_shapes_raise():
     shapes["kv_lens"] = jax.ShapeDtypeStruct((2,), jnp.float32)
     with pytest.raises(ValueError, match="ragged_paged_attention: kv_lens must be int32"):
         jax.eval_shape(lambda **a: ragged_paged_attention(**a), **shapes)
+
+
+@pytest.mark.parametrize("t", [1, 16])
+def test_gpu_kernel_with_rope_lowers_for_cuda(t):
+    """The kernel's Triton lowering (run on any host) takes the packed operand rotated as
+    it loads it: the permuted partner loads and the table gathers lower."""
+    b, n, k, h, pages, page_size = 2, 9, 3, 64, 8, 16
+    spec = jax.ShapeDtypeStruct
+    bf16, i32, f32 = jnp.bfloat16, jnp.int32, jnp.float32
+    args = (spec((b, t, n + 2 * k, h), bf16), None, None,
+            spec((pages, page_size, k, h), bf16), spec((pages, page_size, k, h), bf16),
+            spec((b, 4), i32), spec((b,), i32), spec((b,), i32))
+    rope = (spec((b, t, h // 2), f32), spec((b, t, h // 2), f32))
+
+    def call(qkv, k_pages, v_pages, page_table, kv_lens, q_lens, cos, sin):
+        return rpa_gpu.ragged_paged_attention_gpu(
+            qkv, None, None, k_pages, v_pages, page_table, kv_lens, q_lens, rope=(cos, sin))
+
+    text = jax.jit(call).trace(args[0], *args[3:], *rope).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text and "ragged_paged_attention" in text

@@ -27,11 +27,11 @@ def test_the_environment_is_read_once_and_checked():
     env = {"DSPINE_TOP_K_SPLIT": "0", "DSPINE_CHAIN_WALK": "steps", "DSPINE_RPA_COMBINE":
            "kernel", "DSPINE_WARP_SEARCH": "1", "DSPINE_WARP_UNFILTERED": "0",
            "DSPINE_TOP_K_GROUPED": "0", "DSPINE_RPA_FUSED_WRITE": "0",
-           "DSPINE_TOP_K_SELECT": "sort", "DSPINE_RPA_PACKED": "0"}
+           "DSPINE_TOP_K_SELECT": "sort", "DSPINE_RPA_PACKED": "0", "DSPINE_RPA_ROPE": "0"}
     assert Switches.from_environment(env) == Switches(
         warp_unfiltered=False, warp_search=True, chain_walk="steps", top_k_grouped=False,
         top_k_split=False, rpa_fused_write=False, rpa_combine="kernel", top_k_select="sort",
-        rpa_packed=False)
+        rpa_packed=False, rpa_rope=False)
     assert Switches.from_environment({}) == Switches() == current()
     with pytest.raises(ValueError, match="DSPINE_TOP_K_SPLIT must be 0 or 1"):
         Switches.from_environment({"DSPINE_TOP_K_SPLIT": "no"})
@@ -106,7 +106,8 @@ def test_attention_switches_retrace_the_kernel(monkeypatch, field, values):
     from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
     seen = spy(monkeypatch, rpa_gpu, "ragged_paged_attention_gpu", field,
-               lambda *a, interpret=False, **k: ragged_paged_attention_reference(*a, **k))
+               lambda *a, interpret=False, rope=None, **k: ragged_paged_attention_reference(
+                   *a, **k))
     q = jnp.ones((1, 2, 2, 64))
     kv = jnp.ones((1, 2, 1, 64))
     pages = jnp.zeros((4, 16, 1, 64))
@@ -118,19 +119,21 @@ def test_attention_switches_retrace_the_kernel(monkeypatch, field, values):
     assert seen == list(values)
 
 
-def test_packed_switch_splits_the_operand_before_the_kernel(monkeypatch):
-    """rpa_packed on: the pallas backend hands the kernel the packed q/k/v as it is;
-    off: split into q, new_k and new_v first. The output is the same either way."""
+def test_packed_switches_choose_what_the_kernel_is_given(monkeypatch):
+    """rpa_packed and rpa_rope on: the pallas backend hands the op the packed q/k/v and
+    its rotation as they are; rpa_rope off: rotated by XLA first; rpa_packed off: split
+    into q, new_k and new_v first. The attention is the same every way."""
     import pallas_kernels
     from dspine_jax.attention.backend import PallasBackend
     from dspine_jax.attention.metadata import AttentionMetadata
+    from dspine_jax.rope import rope_table
 
     calls = []
     op = pallas_kernels.ragged_paged_attention
 
-    def record(q, new_k, *args, **kwargs):
-        calls.append(new_k is None)
-        return op(q, new_k, *args, **kwargs)
+    def record(q, new_k, *args, rope=None, **kwargs):
+        calls.append((new_k is None, rope is not None))
+        return op(q, new_k, *args, rope=rope, **kwargs)
 
     monkeypatch.setattr(pallas_kernels, "ragged_paged_attention", record)
     rng = np.random.default_rng(0)
@@ -138,11 +141,13 @@ def test_packed_switch_splits_the_operand_before_the_kernel(monkeypatch):
     qkv = jnp.asarray(rng.standard_normal((b, t, n + 2 * k, h)), jnp.float32)
     pages = (jnp.zeros((6, 16, k, h)), jnp.zeros((6, 16, k, h)))
     metadata = AttentionMetadata.paged(jnp.array([5, 0]), jnp.array([[0, 1], [2, 3]]), t)
+    rotation = rope_table(metadata.positions, 10000.0 ** (-np.arange(0, h, 2) / h))
     outs = []
-    for packed in (True, False):
-        with Switches(rpa_packed=packed).active():
+    for packed, rope in ((True, True), (True, False), (False, True)):
+        with Switches(rpa_packed=packed, rpa_rope=rope).active():
             out, _ = PallasBackend("pallas_gpu", interpret=True).packed(
-                qkv, metadata, pages, num_kv_heads=k)
+                qkv, metadata, pages, rotation=rotation, num_kv_heads=k)
             outs.append(np.asarray(out))
-    assert calls == [True, False]
-    np.testing.assert_array_equal(outs[0], outs[1])
+    assert calls == [(True, True), (True, False), (False, False)]
+    for out in outs[1:]:
+        np.testing.assert_allclose(out, outs[0], rtol=1e-5, atol=1e-5)

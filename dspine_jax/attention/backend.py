@@ -35,6 +35,7 @@ from dspine_jax.attention.metadata import AttentionMetadata
 from dspine_jax.errors import ConfigError
 from dspine_jax.kv_cache import gather_pages, write_pages
 from dspine_jax.layers import dot_product_attention
+from pallas_kernels.rope import rotate_half_split
 
 BACKENDS = ("auto", "pallas", "xla")
 
@@ -52,12 +53,15 @@ class AttentionBackend:
         return dot_product_attention(q, k, v, metadata.dense_mask), None
 
     def packed(self, qkv: jax.Array, metadata: AttentionMetadata, pages=None, *,
-               num_kv_heads: int):
-        """As __call__ with q, k and v packed: qkv [B, T, N + 2K, H], each token's N query
-        heads, then its K keys, then its K values (`Attention.packed_qkv`)."""
+               rotation: tuple[jax.Array, jax.Array], num_kv_heads: int):
+        """As __call__ with q, k and v packed and not yet rotated: qkv [B, T, N + 2K, H],
+        each token's N query heads, then its K keys, then its K values
+        (`Attention.packed_qkv`); rotation (cos, sin) [B, T, H/2] float32, the RoPE of
+        metadata.positions. Here one XLA fusion rotates q and k and splits the three."""
         n = qkv.shape[2] - 2 * num_kv_heads
-        q, k, v = qkv[:, :, :n], qkv[:, :, n:n + num_kv_heads], qkv[:, :, n + num_kv_heads:]
-        return self(q, k, v, metadata, pages)
+        q, k = (rotate_half_split(x, *rotation)
+                for x in (qkv[:, :, :n], qkv[:, :, n:n + num_kv_heads]))
+        return self(q, k, qkv[:, :, n + num_kv_heads:], metadata, pages)
 
     def paged(self, q, k, v, metadata, pages):
         raise NotImplementedError
@@ -167,19 +171,30 @@ class PallasBackend(AttentionBackend):
             implementation=self.implementation, interpret=self.interpret)
         return out.astype(q.dtype), (k_pages, v_pages)
 
-    def packed(self, qkv, metadata, pages=None, *, num_kv_heads):
-        """Paged calls hand the packed operand to the kernel as it is: the GPU kernel reads
-        q, k and v at their offsets, with no split."""
+    def packed(self, qkv, metadata, pages=None, *, rotation, num_kv_heads):
+        """Paged calls hand the packed operand and its rotation to the op as they are: the
+        GPU kernel reads q, k and v at their offsets, with no split, and rotates q and k
+        as it loads them (switches: `rpa_packed` off splits first, `rpa_rope` off rotates
+        in one XLA fusion first)."""
         from pallas_kernels import ragged_paged_attention
         from pallas_kernels.switches import current
 
-        if not metadata.is_paged or not current().rpa_packed:
-            return super().packed(qkv, metadata, pages, num_kv_heads=num_kv_heads)
+        switches = current()
+        if not metadata.is_paged or not switches.rpa_packed:
+            return super().packed(qkv, metadata, pages, rotation=rotation,
+                                  num_kv_heads=num_kv_heads)
         if metadata.mask not in KERNEL_MASK:
             raise ValueError(f"the pallas backend has no paged {metadata.mask!r} mask")
+        dtype = pages[0].dtype
+        if switches.rpa_rope:
+            rope = rotation
+        else:
+            qk = qkv.shape[2] - num_kv_heads          # the q and k heads, rotated alike
+            qkv, rope = jnp.concatenate([rotate_half_split(qkv[:, :, :qk], *rotation),
+                                         qkv[:, :, qk:]], axis=2), None
         out, k_pages, v_pages = ragged_paged_attention(
-            qkv.astype(pages[0].dtype), None, None, *pages, metadata.page_table,
-            metadata.kv_lens, metadata.q_lens, mask=KERNEL_MASK[metadata.mask],
+            qkv.astype(dtype), None, None, *pages, metadata.page_table, metadata.kv_lens,
+            metadata.q_lens, mask=KERNEL_MASK[metadata.mask], rope=rope,
             implementation=self.implementation, interpret=self.interpret)
         return out.astype(qkv.dtype), (k_pages, v_pages)
 

@@ -76,9 +76,10 @@ class DrafterLayer(DecoderLayer):
         -> (x, ctx after the write)."""
         h = self.input_layernorm(x)
         if metadata.is_paged:
-            out, ctx = attention.packed(self.self_attn.packed_qkv(h, metadata.positions),
-                                        metadata, ctx,
-                                        num_kv_heads=self.self_attn.config.num_key_value_heads)
+            a = self.self_attn
+            out, ctx = attention.packed(a.packed_qkv(h), metadata, ctx,
+                                        rotation=a.rotation(metadata.positions),
+                                        num_kv_heads=a.config.num_key_value_heads)
         else:
             q, k, v = self.self_attn.project(h, metadata.positions)
             ctx_k, ctx_v = ctx

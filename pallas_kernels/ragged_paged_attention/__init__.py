@@ -13,7 +13,7 @@ import functools
 
 import jax
 
-from .common import IMPLEMENTATIONS, MASKS, check_inputs, split_packed
+from .common import IMPLEMENTATIONS, MASKS, check_inputs, rotate_qk, split_packed
 from ..platform import backend_implementation
 from ..switches import current
 from .reference import ragged_paged_attention_reference
@@ -23,7 +23,7 @@ __all__ = ["ragged_paged_attention", "ragged_paged_attention_reference", "IMPLEM
 
 
 def ragged_paged_attention(q, new_k, new_v, k_pages, v_pages, page_table, kv_lens, q_lens,
-                           *, mask="causal", sm_scale=None, implementation="auto",
+                           *, mask="causal", sm_scale=None, rope=None, implementation="auto",
                            interpret=False):
     """Writes this call's keys/values into the page pools and attends over the paged cache.
 
@@ -42,6 +42,10 @@ def ragged_paged_attention(q, new_k, new_v, k_pages, v_pages, page_table, kv_len
       mask: "causal" (query at absolute position p sees keys [0, p]) or "bidirectional"
         (every valid query of row b sees keys [0, kv_lens[b])).
       sm_scale: score scale, default H ** -0.5.
+      rope: None (q and new_k come rotated), or (cos, sin), each [B, T, H/2] float32 of
+        the tokens' positions: the op rotates q and new_k by them first (half-split RoPE,
+        `dspine_jax.rope.apply_rope`'s rule; the pools receive rotated keys). The GPU
+        kernel does it as it loads them (calls it writes itself); the other paths in XLA.
       implementation: "auto" | "xla" | "pallas_tpu" | "pallas_gpu".
       interpret: run a Pallas implementation in interpret mode (CPU tests).
 
@@ -56,7 +60,7 @@ def ragged_paged_attention(q, new_k, new_v, k_pages, v_pages, page_table, kv_len
     """
     # the switches in effect are a static argument: a program is cached per switches
     return _ragged_paged_attention(q, new_k, new_v, k_pages, v_pages, page_table, kv_lens,
-                                   q_lens, mask=mask, sm_scale=sm_scale,
+                                   q_lens, rope, mask=mask, sm_scale=sm_scale,
                                    implementation=implementation, interpret=interpret,
                                    switches=current())
 
@@ -64,23 +68,26 @@ def ragged_paged_attention(q, new_k, new_v, k_pages, v_pages, page_table, kv_len
 @functools.partial(jax.jit, static_argnames=("mask", "sm_scale", "implementation",
                                              "interpret", "switches"))
 def _ragged_paged_attention(q, new_k, new_v, k_pages, v_pages, page_table, kv_lens, q_lens,
-                            *, mask, sm_scale, implementation, interpret, switches):
+                            rope, *, mask, sm_scale, implementation, interpret, switches):
     with switches.active():
         check_inputs(q, new_k, new_v, k_pages, v_pages, page_table, kv_lens, q_lens, mask=mask,
-                     sm_scale=sm_scale, implementation=implementation)
+                     sm_scale=sm_scale, implementation=implementation, rope=rope)
         if implementation == "auto":
             implementation = backend_implementation()
-        if implementation != "pallas_gpu" and new_k is None:
+        if implementation == "pallas_gpu":
+            from .gpu import ragged_paged_attention_gpu
+            return ragged_paged_attention_gpu(q, new_k, new_v, k_pages, v_pages, page_table,
+                                              kv_lens, q_lens, mask=mask, sm_scale=sm_scale,
+                                              rope=rope, interpret=interpret)
+        if rope is not None:
+            q, new_k, new_v = rotate_qk(q, new_k, new_v, rope, k_pages.shape[2])
+        if new_k is None:
             q, new_k, new_v = split_packed(q, k_pages.shape[2])
         args = (q, new_k, new_v, k_pages, v_pages, page_table, kv_lens, q_lens)
         if implementation == "xla":
             return ragged_paged_attention_reference(*args, mask=mask, sm_scale=sm_scale)
-        if implementation == "pallas_tpu":
-            from .tpu import ragged_paged_attention_tpu
-            return ragged_paged_attention_tpu(*args, mask=mask, sm_scale=sm_scale,
-                                              interpret=interpret)
-        from .gpu import ragged_paged_attention_gpu
-        return ragged_paged_attention_gpu(*args, mask=mask, sm_scale=sm_scale,
+        from .tpu import ragged_paged_attention_tpu
+        return ragged_paged_attention_tpu(*args, mask=mask, sm_scale=sm_scale,
                                           interpret=interpret)
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from ..rope import rotate_half_split
+
 OP = "ragged_paged_attention"
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)   # as dspine_jax.layers.MASK_VALUE
 HEAD_DIMS = (64, 128)
@@ -19,7 +21,7 @@ IMPLEMENTATIONS = ("auto", "xla", "pallas_tpu", "pallas_gpu")
 
 
 def check_inputs(q, new_k, new_v, k_pages, v_pages, page_table, kv_lens, q_lens, *,
-                 mask, sm_scale, implementation) -> None:
+                 mask, sm_scale, implementation, rope=None) -> None:
     """Raises ValueError (at trace time: only shapes and dtypes are read) on bad input."""
     def fail(what):
         raise ValueError(f"{OP}: {what}")
@@ -37,6 +39,7 @@ def check_inputs(q, new_k, new_v, k_pages, v_pages, page_table, kv_lens, q_lens,
     _, page_size, kv_heads, _ = k_pages.shape
     if (new_k is None) != (new_v is None):
         fail("new_k and new_v must both be arrays, or both None (q packed)")
+    check_rope(rope, q.shape)
     if new_k is None:
         if q.shape[2] <= 2 * kv_heads:
             fail(f"packed q must be [B, T, N + 2K, H] with N >= 1 and K={kv_heads} (from "
@@ -75,6 +78,28 @@ def check_inputs(q, new_k, new_v, k_pages, v_pages, page_table, kv_lens, q_lens,
     for name, x in (("page_table", page_table), ("kv_lens", kv_lens), ("q_lens", q_lens)):
         if jnp.dtype(x.dtype) != jnp.dtype(jnp.int32):
             fail(f"{name} must be int32, got {x.dtype}")
+
+
+def check_rope(rope, q_shape) -> None:
+    """rope: None or (cos, sin), each [B, T, H/2] float32."""
+    if rope is None:
+        return
+    b, t, _, h = q_shape
+    want = (b, t, h // 2)
+    if (not isinstance(rope, (tuple, list)) or len(rope) != 2
+            or any(getattr(x, "shape", None) != want for x in rope)):
+        raise ValueError(f"{OP}: rope must be (cos, sin), each [B, T, H/2] = {want}")
+    if any(jnp.dtype(x.dtype) != jnp.dtype(jnp.float32) for x in rope):
+        raise ValueError(f"{OP}: rope's cos and sin must be float32")
+
+
+def rotate_qk(q, new_k, new_v, rope, kv_heads: int):
+    """q and new_k rotated by rope = (cos, sin) in XLA (packed: new_k = new_v = None)."""
+    if new_k is None:
+        n = q.shape[2] - 2 * kv_heads
+        return jnp.concatenate([rotate_half_split(q[:, :, :n + kv_heads], *rope),
+                                q[:, :, n + kv_heads:]], axis=2), None, None
+    return rotate_half_split(q, *rope), rotate_half_split(new_k, *rope), new_v
 
 
 def split_packed(qkv, kv_heads: int):

@@ -66,7 +66,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from ..platform import multiprocessors
 from ..switches import current as current_switches
-from .common import MASK_VALUE, default_scale, unpack_outputs, write_new_tokens
+from .common import MASK_VALUE, default_scale, rotate_qk, unpack_outputs, write_new_tokens
 
 LOG2E = math.log2(math.e)
 # Calls of at most this many tokens per row (decode, verify, draft) have the kernel write
@@ -118,7 +118,7 @@ def store_lanes(t_idx, q_len, page, num_pages):
 
 
 def _kernel(page_table_ref, kv_lens_ref, q_lens_ref, q_ref, new_k_ref, new_v_ref,   # inputs
-            k_ref, v_ref,
+            cos_ref, sin_ref, k_ref, v_ref,
             o_ref, m_ref, l_ref, k_out_ref, v_out_ref,                      # outputs
             *, page_size, kv_heads, group, t_len, block_m, block_n, m_tiles, causal,
             scale_log2, precision, fused, rows):
@@ -127,7 +127,9 @@ def _kernel(page_table_ref, kv_lens_ref, q_lens_ref, q_ref, new_k_ref, new_v_ref
     already hold every key [0, kv_len) and new_k/new_v are not read.
 
     rows: a `TokenRows`, where token (b, t)'s heads are in q_ref, new_k_ref and new_v_ref
-    (one packed array passed three times, or three arrays)."""
+    (one packed array passed three times, or three arrays).
+    cos_ref, sin_ref: None, or [B * T, H/2] float32: q and the new keys are rotated here,
+    as they are loaded (fused calls only)."""
     b = pl.program_id(0)
     kh = pl.program_id(1) // m_tiles
     mt = pl.program_id(1) % m_tiles
@@ -144,10 +146,28 @@ def _kernel(page_table_ref, kv_lens_ref, q_lens_ref, q_ref, new_k_ref, new_v_ref
     m_idx = mt * block_m + jnp.arange(block_m, dtype=jnp.int32)
     tok = jnp.minimum(m_idx // group, t_len - 1)
     q_pos = ctx + m_idx // group                                       # [BM]
+    head_dim = q_ref.shape[-1]
+
+    def load_rotated(ref, row, token):
+        """[R, H] rows of ref, RoPE'd by the rotation of each one's token (b * T + t) where
+        the call brings one: x * cos + rotate_half(x) * sin, the partner half read by a
+        second, permuted load; float32 math, ref's dtype out."""
+        x = ref[row, :]
+        if cos_ref is None:
+            return x
+        half = head_dim // 2
+        cols = jnp.arange(head_dim, dtype=jnp.int32)
+        partner = ref[row[:, None], ((cols + half) % head_dim)[None, :]]
+        table = (token[:, None], (cols % half)[None, :])
+        sign = jnp.where(cols < half, -1.0, 1.0)[None, :]
+        out = (x.astype(jnp.float32) * cos_ref[table]
+               + partner.astype(jnp.float32) * sign * sin_ref[table])
+        return out.astype(x.dtype)
+
     # q head kh * G + g of token (b, t) is row (b * T + t) * q_stride + kh * G + g,
     # gathered here (no packed copy)
-    q = q_ref[(b * t_len + tok) * rows.q_stride + kh * group + m_idx % group, :]  # [BM, H]
-    head_dim = q.shape[-1]
+    q = load_rotated(q_ref, (b * t_len + tok) * rows.q_stride + kh * group + m_idx % group,
+                     b * t_len + tok)                                  # [BM, H]
 
     # The pool keys this program reads: [0, ctx) when fused, else [0, kv_len) (up to the
     # last one any query row of the tile sees). Keys [0, full_hi) are seen by every
@@ -242,9 +262,10 @@ def _kernel(page_table_ref, kv_lens_ref, q_lens_ref, q_ref, new_k_ref, new_v_ref
         t_pad = max(16, _next_pow2(t_len))
         t_idx = jnp.arange(t_pad, dtype=jnp.int32)
         real = t_idx < q_len                                           # [TP]
-        row = rows.kv_row(b * t_len + jnp.minimum(t_idx, jnp.maximum(q_len - 1, 0)), kh)
+        token = b * t_len + jnp.minimum(t_idx, jnp.maximum(q_len - 1, 0))
+        row = rows.kv_row(token, kh)
         # zeros where no token is: padding tokens may hold anything, 0 * NaN is NaN
-        k = jnp.where(real[:, None], new_k_ref[row + rows.k_offset, :], 0)
+        k = jnp.where(real[:, None], load_rotated(new_k_ref, row + rows.k_offset, token), 0)
         v = jnp.where(real[:, None], new_v_ref[row + rows.v_offset, :], 0)
         s = pltriton.dot(q, k, trans_b=True, precision=precision)     # [BM, TP]
         visible = real[None, :] & (split == num_splits - 1)
@@ -273,14 +294,15 @@ def _kernel(page_table_ref, kv_lens_ref, q_lens_ref, q_ref, new_k_ref, new_v_ref
                 # interpret mode (which stores a masked lane by writing back what it read)
                 # drops them as out of range instead of undoing a real lane's store
                 dst = jnp.where(real, dst, k_out_ref.shape[0] + t_idx)
-                src = rows.kv_row(b * t_len + jnp.minimum(t_idx, t_len - 1), kh)
+                token = b * t_len + jnp.minimum(t_idx, t_len - 1)
+                src = rows.kv_row(token, kh)
                 # [chunk, H] element indices: a masked scatter (interpret mode wants
                 # every index an array)
                 keep = jnp.broadcast_to(real[:, None], (chunk, head_dim))
-                for src_ref, offset, dst_ref in ((new_k_ref, rows.k_offset, k_out_ref),
-                                                 (new_v_ref, rows.v_offset, v_out_ref)):
-                    pltriton.store(dst_ref.at[dst[:, None], cols], src_ref[src + offset, :],
-                                   mask=keep)
+                pltriton.store(k_out_ref.at[dst[:, None], cols],
+                               load_rotated(new_k_ref, src + rows.k_offset, token), mask=keep)
+                pltriton.store(v_out_ref.at[dst[:, None], cols],
+                               new_v_ref[src + rows.v_offset, :], mask=keep)
 
 
 def default_config(b, t, n, h, kv_heads, page_size, pages_per_seq, dtype):
@@ -318,11 +340,13 @@ def default_config(b, t, n, h, kv_heads, page_size, pages_per_seq, dtype):
 
 
 def ragged_paged_attention_gpu(q, new_k, new_v, k_pages, v_pages, page_table, kv_lens,
-                               q_lens, *, mask="causal", sm_scale=None, interpret=False,
-                               block_m=None, block_n=None, num_splits=None, num_warps=None,
-                               num_stages=None, fused_write=None, combine=None):
+                               q_lens, *, mask="causal", sm_scale=None, rope=None,
+                               interpret=False, block_m=None, block_n=None, num_splits=None,
+                               num_warps=None, num_stages=None, fused_write=None,
+                               combine=None):
     """The op on a GPU (arguments as `ragged_paged_attention`; new_k = new_v = None: q
-    is the packed [B, T, N + 2K, H], read in place).
+    is the packed [B, T, N + 2K, H], read in place; rope: rotated as loaded in calls the
+    kernel writes itself, by XLA before the kernel in the others).
 
     fused_write: the kernel writes this call's tokens into the pools itself (at most
     FUSED_WRITE_MAX_T tokens per row; longer calls, prefill, are written by an XLA
@@ -357,6 +381,9 @@ def ragged_paged_attention_gpu(q, new_k, new_v, k_pages, v_pages, page_table, kv
     m_pad = m_tiles * block_m
 
     fused = fused_write and t <= FUSED_WRITE_MAX_T
+    if rope is not None and not fused:   # the pools take rotated keys before the kernel
+        q, new_k, new_v = rotate_qk(q, new_k, new_v, rope, kv_heads)
+        rope = None
     if packed:
         rows = TokenRows.packed(n, kv_heads)
         # [B * T * (N + 2K), H] (a free reshape), read as q, new_k and new_v at offsets
@@ -374,6 +401,8 @@ def ragged_paged_attention_gpu(q, new_k, new_v, k_pages, v_pages, page_table, kv
                                             kv_lens, q_lens)
     # [B, 2 * PPS] int16: each page id as (low, high) halves
     pt16 = lax.bitcast_convert_type(page_table, jnp.int16).reshape(b, 2 * pages_per_seq)
+    # [B * T, H/2] each: the rotation of token b * T + t
+    tables = () if rope is None else tuple(x.reshape(b * t, h // 2) for x in rope)
     # [P * PS * K, H]: row (page * PS + slot) * K + kv_head (a free reshape)
     pool_rows = num_pages * page_size * kv_heads
     k_flat = k_pages.reshape(pool_rows, h)
@@ -385,8 +414,7 @@ def ragged_paged_attention_gpu(q, new_k, new_v, k_pages, v_pages, page_table, kv
         block_m=block_m, block_n=block_n, m_tiles=m_tiles, causal=mask == "causal",
         scale_log2=default_scale(sm_scale, h) * LOG2E, precision=precision,
         fused=fused, rows=rows)
-    if not fused:     # the pools are inputs only: no outputs to write them through
-        kernel = functools.partial(_no_pool_outputs, kernel)
+    kernel = functools.partial(_optional_refs, kernel, rope=bool(tables), pools_out=fused)
     whole = pl.no_block_spec
     partial_spec = lambda *tail: pl.BlockSpec(
         (None, None, None, block_m) + tail,
@@ -397,20 +425,21 @@ def ragged_paged_attention_gpu(q, new_k, new_v, k_pages, v_pages, page_table, kv
         jax.ShapeDtypeStruct((b, kv_heads, num_splits, m_pad), jnp.float32),
         jax.ShapeDtypeStruct((b, kv_heads, num_splits, m_pad), jnp.float32),
     ]
-    if fused:                # the pools, written in place (aliased to inputs 6 and 7)
+    if fused:                # the pools, written in place
         out_specs += [whole, whole]
         out_shape += [jax.ShapeDtypeStruct(k_flat.shape, k_flat.dtype)] * 2
     outs = pl.pallas_call(
         kernel,
         grid=(b, kv_heads * m_tiles, num_splits),
-        in_specs=[whole] * 8,
+        in_specs=[whole] * (8 + len(tables)),
         out_specs=out_specs,
         out_shape=out_shape,
-        input_output_aliases={6: 3, 7: 4} if fused else {},
+        # the pools, the last two inputs, written in place
+        input_output_aliases={6 + len(tables): 3, 7 + len(tables): 4} if fused else {},
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(pt16, kv_lens, q_lens, q_flat, new_k_flat, new_v_flat, k_flat, v_flat)
+    )(pt16, kv_lens, q_lens, q_flat, new_k_flat, new_v_flat, *tables, k_flat, v_flat)
     o, m_max, l_sum = outs[:3]
     if fused:
         k_pages = outs[3].reshape(k_pages.shape)
@@ -501,6 +530,12 @@ def _combine_call(o, m_max, l_sum, q_lens, q_shape, m_tiles, block_m, dtype, int
     return out.reshape(b, t, n, h)
 
 
-def _no_pool_outputs(kernel, *refs):
-    """The kernel with no pool outputs (the pools were written before the call)."""
-    return kernel(*refs, None, None)
+def _optional_refs(kernel, *refs, rope, pools_out):
+    """The kernel with None for the refs this call does not have: the rotation tables
+    (rope off) and the pool outputs (the pools were written before the call)."""
+    refs = list(refs)
+    if not rope:
+        refs[6:6] = [None, None]
+    if not pools_out:
+        refs += [None, None]
+    return kernel(*refs)
