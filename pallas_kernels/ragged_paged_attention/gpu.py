@@ -17,8 +17,12 @@ head, query tile), an online merge over the splits), the slower way on an H200
 (docs/benchmarks.md, "Engine options").
 
 The operands. q, new_k and new_v are three arrays, or one packed [B, T, N + 2K, H]
-(`TokenRows`): the target's fused q/k/v projection after RoPE, read in place at each
-token's row offsets, so no XLA kernel splits it.
+(`TokenRows`): a layer's fused q/k/v projection, read in place at each token's row
+offsets, so no XLA kernel splits it. With rope = (cos, sin) the kernel rotates q and the
+new keys as it loads them (`load_rotated`: the rotate-half partner is a second load of
+the same rows with the halves swapped, the tables are gathered by token), so the
+projection's output reaches the kernel untouched; calls it does not write itself
+(prefill) are rotated by XLA first, since the pools must hold rotated keys before it.
 
 Keys. A tile of BN keys is gathered through the page table: BN / PS page ids per tile
 (scalar loads), then each key's H values, which are contiguous in the pool (the keys of
