@@ -28,9 +28,10 @@ until a new decoder is built. Outside any decoder, `current()` is the defaults.
   rpa_packed         DSPINE_RPA_PACKED        1 | 0   the GPU attention kernel reads q, k
                                                       and v from the layer's one packed
                                                       operand (0: split first)
-  rpa_rope           DSPINE_RPA_ROPE          1 | 0   the GPU attention kernel rotates q
-                                                      and the new keys as it loads them
-                                                      (0: an XLA fusion first)
+  rpa_rope           DSPINE_RPA_ROPE          0 | 1   1: the GPU attention kernel rotates
+                                                      q and the new keys as it loads them
+                                                      (0: the fusion that packs them
+                                                      does; 1 is not yet timed on a GPU)
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ FLAGS = {"warp_unfiltered": ("DSPINE_WARP_UNFILTERED", True),
          "top_k_split": ("DSPINE_TOP_K_SPLIT", True),
          "rpa_fused_write": ("DSPINE_RPA_FUSED_WRITE", True),
          "rpa_packed": ("DSPINE_RPA_PACKED", True),
-         "rpa_rope": ("DSPINE_RPA_ROPE", True)}
+         "rpa_rope": ("DSPINE_RPA_ROPE", False)}
 CHOICES = {"chain_walk": ("DSPINE_CHAIN_WALK", CHAIN_WALKS),
            "rpa_combine": ("DSPINE_RPA_COMBINE", COMBINES),
            "top_k_select": ("DSPINE_TOP_K_SELECT", TOP_K_SELECTS)}
@@ -67,7 +68,7 @@ class Switches:
     rpa_fused_write: bool = True
     rpa_combine: str = "unrolled"
     rpa_packed: bool = True
-    rpa_rope: bool = True
+    rpa_rope: bool = False
 
     def __post_init__(self):
         for name, (variable, allowed) in CHOICES.items():

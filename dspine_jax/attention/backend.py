@@ -172,10 +172,10 @@ class PallasBackend(AttentionBackend):
         return out.astype(q.dtype), (k_pages, v_pages)
 
     def packed(self, qkv, metadata, pages=None, *, rotation, num_kv_heads):
-        """Paged calls hand the packed operand and its rotation to the op as they are: the
-        GPU kernel reads q, k and v at their offsets, with no split, and rotates q and k
-        as it loads them (switches: `rpa_packed` off splits first, `rpa_rope` off rotates
-        in one XLA fusion first)."""
+        """Paged calls hand the op one packed operand: the GPU kernel reads q, k and v at
+        their offsets, with no split. One XLA fusion rotates q and k into it; with the
+        `rpa_rope` switch the operand goes unrotated with its rotation and the kernel
+        rotates them as it loads them; `rpa_packed` off splits them first."""
         from pallas_kernels import ragged_paged_attention
         from pallas_kernels.switches import current
 

@@ -20,8 +20,9 @@ The operands. q, new_k and new_v are three arrays, or one packed [B, T, N + 2K, 
 (`TokenRows`): a layer's fused q/k/v projection, read in place at each token's row
 offsets, so no XLA kernel splits it. With rope = (cos, sin) the kernel rotates q and the
 new keys as it loads them (`load_rotated`: the rotate-half partner is a second load of
-the same rows with the halves swapped, the tables are gathered by token), so the
-projection's output reaches the kernel untouched; calls it does not write itself
+the same rows with the halves swapped, the tables are gathered by token), so that a
+projection's output could reach the kernel untouched (the models pass it under the
+`rpa_rope` switch, off until it is timed on a GPU); calls it does not write itself
 (prefill) are rotated by XLA first, since the pools must hold rotated keys before it.
 
 Keys. A tile of BN keys is gathered through the page table: BN / PS page ids per tile
