@@ -223,7 +223,9 @@ def bench(prepared, method, b, context, config, dtype, bandwidth, args, proposal
                floor_ms=floor_bytes / bandwidth * 1e3,
                proposal=proposal if method != "ar" else "-", temperature=temperature,
                top_p=args.top_p if temperature else 1.0, top_k=args.top_k if temperature else 0,
-               proposal_kernel=args.proposal_kernel)
+               proposal_kernel=args.proposal_kernel,
+               # the DSPINE_* switches the decoder was built with: a row names its variant
+               switches=decoder.switches.to_json())
     if method != "ar":
         row["verify_width"] = decoder.default_width() if width is None else width
     if method != "ar" and not args.no_stages and width in (None, decoder.default_width()):

@@ -78,3 +78,24 @@ def test_profile_step_and_spec_step_share_their_engine_options():
                                                                           64, 2)
     assert (many.proposal, many.attention_backend, many.context, many.batch) == (
         ["dense"], ["xla"], [64], [2])
+
+
+def test_spec_step_rows_name_the_switches_they_ran_under(tiny_llama_dir, tmp_path,
+                                                         monkeypatch):
+    """Each row of spec_step carries its decoder's DSPINE_* switches, so before/after
+    timings taken in separate processes say which variant each one ran."""
+    import json
+
+    from dspine_benchmarks.spec_step import main
+
+    monkeypatch.setenv("DSPINE_TOP_K_SELECT", "topk")
+    out = tmp_path / "rows.jsonl"
+    main(["--target", str(tiny_llama_dir), "--methods", "ar", "dspine", "--batch", "1",
+          "--prompt-len", "8", "--calls", "1", "--steps-per-call", "2", "--draft-layers", "1",
+          "--block-size", "4", "--dtype", "f32", "--attention-backend", "xla", "--context",
+          "32", "--repeats", "1", "--no-stages", "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["method"] for r in rows] == ["ar", "dspine"]
+    assert all(r["step_ms"] > 0 for r in rows)
+    assert all(r["switches"]["top_k_select"] == "topk" and r["switches"]["rpa_packed"]
+               for r in rows)
