@@ -35,7 +35,7 @@ from dspine_jax.attention.metadata import AttentionMetadata
 from dspine_jax.errors import ConfigError
 from dspine_jax.kv_cache import gather_pages, write_pages
 from dspine_jax.layers import dot_product_attention
-from pallas_kernels.rope import rotate_half_split
+from pallas_kernels.ragged_paged_attention.common import rotate_qk, split_packed
 
 BACKENDS = ("auto", "pallas", "xla")
 
@@ -58,10 +58,8 @@ class AttentionBackend:
         each token's N query heads, then its K keys, then its K values
         (`Attention.packed_qkv`); rotation (cos, sin) [B, T, H/2] float32, the RoPE of
         metadata.positions. Here one XLA fusion rotates q and k and splits the three."""
-        n = qkv.shape[2] - 2 * num_kv_heads
-        q, k = (rotate_half_split(x, *rotation)
-                for x in (qkv[:, :, :n], qkv[:, :, n:n + num_kv_heads]))
-        return self(q, k, qkv[:, :, n + num_kv_heads:], metadata, pages)
+        qkv, _, _ = rotate_qk(qkv, None, None, rotation, num_kv_heads)
+        return self(*split_packed(qkv, num_kv_heads), metadata, pages)
 
     def paged(self, q, k, v, metadata, pages):
         raise NotImplementedError
@@ -189,9 +187,7 @@ class PallasBackend(AttentionBackend):
         if switches.rpa_rope:
             rope = rotation
         else:
-            qk = qkv.shape[2] - num_kv_heads          # the q and k heads, rotated alike
-            qkv, rope = jnp.concatenate([rotate_half_split(qkv[:, :, :qk], *rotation),
-                                         qkv[:, :, qk:]], axis=2), None
+            (qkv, _, _), rope = rotate_qk(qkv, None, None, rotation, num_kv_heads), None
         out, k_pages, v_pages = ragged_paged_attention(
             qkv.astype(dtype), None, None, *pages, metadata.page_table, metadata.kv_lens,
             metadata.q_lens, mask=KERNEL_MASK[metadata.mask], rope=rope,
