@@ -7,7 +7,6 @@ Order follows transformers: temperature, then top-k, then top-p on what top-k ke
 
 from __future__ import annotations
 
-import math
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +17,8 @@ from dspine_jax import row_keys
 from dspine_jax.runtime.requests import validate_sampling
 from pallas_kernels import switches
 from pallas_kernels import top_k as long_rows
+from pallas_kernels.warp_threshold import warp_threshold as threshold_rows
+from pallas_kernels.warp_threshold import warp_threshold_reference
 
 
 @struct.dataclass
@@ -89,22 +90,21 @@ def _per_row(x: jax.Array, ndim: int) -> jax.Array:
     return x.reshape(x.shape + (1,) * (ndim - 1))
 
 
+def _row_params(params: SamplingParams, lead: tuple[int, ...], vocab: int):
+    """(k [R], top_p [R]) of rows [B, ...] flattened to R: k = V without top-k."""
+    row = lambda x: jnp.broadcast_to(_per_row(x, len(lead)), lead).reshape(-1)  # noqa: E731
+    k = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, vocab), vocab)
+    return row(k).astype(jnp.int32), row(params.top_p)
+
+
 def _sorted_threshold(scaled: jax.Array, params: SamplingParams) -> jax.Array:
     """The smallest kept value of temperature-scaled logits [B, ..., V] -> [B, ..., 1], by a
-    full sort of the vocabulary: the definition `warp_logits` applies."""
-    nd = scaled.ndim
-    vocab = scaled.shape[-1]
-    # [B, ..., V] descending
-    sorted_desc = -jnp.sort(-scaled, axis=-1)
-    k = _per_row(jnp.where(params.top_k > 0, jnp.minimum(params.top_k, vocab), vocab), nd)
-    rank = jnp.arange(vocab)
-    sorted_desc = jnp.where(rank < k, sorted_desc, -jnp.inf)
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
-    # Keep a token while the mass before it is below top_p (the first one always stays).
-    keep = (jnp.cumsum(probs, axis=-1) - probs) < _per_row(params.top_p, nd)
-    keep = keep & (rank < k)
-    n_keep = jnp.maximum(jnp.sum(keep, axis=-1, keepdims=True), 1)
-    return jnp.take_along_axis(sorted_desc, n_keep - 1, axis=-1)
+    full sort of the vocabulary (`warp_threshold_reference`): the definition `warp_logits`
+    applies."""
+    lead, vocab = scaled.shape[:-1], scaled.shape[-1]
+    k, top_p = _row_params(params, lead, vocab)
+    tau = warp_threshold_reference(scaled.reshape(-1, vocab), k, top_p)
+    return tau.reshape(lead + (1,))
 
 
 def scale_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
@@ -124,74 +124,15 @@ def warp_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
     return jnp.where(scaled >= _sorted_threshold(scaled, params), scaled, -jnp.inf)
 
 
-# Candidates per round of `_searched_threshold`: 8 rounds of 16 split the 32-bit keys.
-SEARCH_WAYS = 16
+# The GPU warp's threshold implementation for each value of the `warp_threshold` switch.
+THRESHOLD_IMPLEMENTATIONS = {"sort": "sort", "search": "search", "pallas": "pallas_gpu"}
 
 
-def _searched_threshold(scaled: jax.Array, params: SamplingParams) -> jax.Array:
-    """`_sorted_threshold`'s value [B, ...] without a sort or data-dependent control flow:
-    two searches over the order-preserving uint32 keys of the scaled logits, each a fixed
-    8 rounds of a SEARCH_WAYS-way split, each round one masked reduction over the
-    vocabulary ([R, SEARCH_WAYS - 1, V] compares, fused).
-
-    1. t_k, the k-th largest value (repeats counted): the largest key t with
-       count(keys >= t) >= k; the whole row's minimum without top-k.
-    2. The softmax over the top-k set: every entry above t_k and (k - their count) copies
-       of t_k, as the sorted warp's first k ranks.
-    3. The kept set is a prefix of the sorted order: the threshold is the smallest value
-       t >= t_k whose higher entries hold less than top_p of that mass (an entry's
-       "mass before it" is the mass of the entries greater than its value); one past the
-       largest key in [t_k, max) whose higher entries hold at least top_p, else t_k
-       (top_p >= 1 counts as disabled, as in `warp_threshold`).
-    Masked sums round differently from the sorted cumsum, as in `warp_threshold`'s
-    selection path: a token within float32 rounding of top_p can fall either side."""
-    vocab = scaled.shape[-1]
-    lead = scaled.shape[:-1]
-    flat = scaled.reshape(-1, vocab)                                   # [R, V]
-    row = lambda x: jnp.broadcast_to(_per_row(x, len(lead)), lead).reshape(-1)  # noqa: E731
-    k = row(jnp.where(params.top_k > 0, jnp.minimum(params.top_k, vocab), vocab))
-    top_p = row(params.top_p)
-    keys = _ordered(flat)                                              # [R, V] uint32
-    lo, hi = jnp.min(keys, -1), jnp.max(keys, -1)
-    def enough(c):        # [R, W] candidates: at least k entries at or above each
-        return jnp.sum(keys[:, None, :] >= c[:, :, None], -1) >= k[:, None]
-
-    t_k = _largest_where(enough, lo, hi)
-    top = jnp.max(flat, -1, keepdims=True)
-    e = jnp.exp(flat - top)                                            # [R, V]
-    above = keys > t_k[:, None]
-    mass = jnp.sum(jnp.where(above, e, 0.0), -1)
-    z = mass + (k - jnp.sum(above, -1)) * jnp.exp(_unordered(t_k) - top[:, 0])
-    def heavy(c):         # the entries above each candidate hold at least top_p
-        above_c = jnp.where(keys[:, None, :] > c[:, :, None], e[:, None, :], 0.0)
-        return jnp.sum(above_c, -1) >= (top_p * z)[:, None]
-
-    last_heavy = _largest_where(heavy, t_k, hi)
-    tau = jnp.where((top_p < 1) & (mass >= top_p * z), last_heavy + 1, t_k)  # 1: off
-    return _unordered(tau).reshape(lead)
-
-
-def _largest_where(pred, lo: jax.Array, hi: jax.Array) -> jax.Array:
-    """[R] uint32: the largest u in [lo, hi] with pred(u), for pred monotone (true, then
-    false) and true at lo; pred maps candidates [R, W] to [R, W] bool. Fixed rounds of a
-    SEARCH_WAYS-way split (unrolled: no loop for a GPU to wait on)."""
-    ways = jnp.arange(1, SEARCH_WAYS, dtype=jnp.uint32)
-    for _ in range(math.ceil(32 / math.log2(SEARCH_WAYS))):
-        width = hi - lo
-        step = width // SEARCH_WAYS + 1
-        cand = lo[:, None] + jnp.minimum(ways[None, :] * step[:, None], width[:, None])
-        ok = pred(cand)
-        lo = jnp.max(jnp.where(ok, cand, lo[:, None]), -1)
-        hi = jnp.min(jnp.where(ok, hi[:, None], cand - 1), -1)
-    return lo
-
-
-def warp_search() -> bool:
-    """Whether the branch-free warp finds its threshold by `_searched_threshold` instead
-    of a sort of the vocabulary. Off by default: on an H200 it is
-    slower at batch 8 and no faster at batch 1 (docs/benchmarks.md, "Sampling against
-    greedy"). The `warp_search` switch (DSPINE_WARP_SEARCH=1)."""
-    return switches.current().warp_search
+def gpu_threshold_implementation() -> str:
+    """How the branch-free warp finds its threshold (`pallas_kernels.warp_threshold`): a
+    sort of the vocabulary, the sort-free search in XLA, or the search as one Pallas
+    program per row. The `warp_threshold` switch (DSPINE_WARP_THRESHOLD)."""
+    return THRESHOLD_IMPLEMENTATIONS[switches.current().warp_threshold]
 
 
 def branch_free() -> bool:
@@ -223,7 +164,8 @@ def warp_threshold(scaled: jax.Array, params: SamplingParams,
       ordered float32 range find its smallest member (32 masked sums);
     * only a top-k between m and V whose top-p set is also longer than m pays the full
       sort (later caps: a larger TopK first).
-    On a GPU (`branch_free`) the sort decides every filtered row instead.
+    On a GPU (`branch_free`) every filtered row's threshold comes from one call of
+    `pallas_kernels.warp_threshold` instead (the `warp_threshold` switch says how).
     top_p >= 1 counts as disabled (warp_logits' float cumsum can also drop a tail whose
     mass rounds away, ~1e-7 of probability). Masked sums and cumsums round differently,
     so a token whose mass-before lies within float32 rounding of top_p can fall either
@@ -235,12 +177,12 @@ def warp_threshold(scaled: jax.Array, params: SamplingParams,
         return jnp.full(lead, -jnp.inf, jnp.float32)
     if branch_free():
         on = (params.temperature > 0) & ((params.top_p < 1) | (params.top_k > 0))
-        found = (_searched_threshold(scaled, params) if warp_search()
-                 else _sorted_threshold(scaled, params)[..., 0])
+        k, top_p = _row_params(params, lead, vocab)
+        found = threshold_rows(scaled.reshape(-1, vocab), k, top_p,
+                               implementation=gpu_threshold_implementation()).reshape(lead)
         return jnp.where(_per_row(on, nd - 1), found, -jnp.inf)
     row = lambda x: jnp.broadcast_to(_per_row(x, nd - 1), lead).reshape(-1)  # noqa: E731
-    k_eff = row(jnp.where(params.top_k > 0, jnp.minimum(params.top_k, vocab), vocab))
-    top_p = row(params.top_p)
+    k_eff, top_p = _row_params(params, lead, vocab)
     filtered = ((top_p < 1) | (k_eff < vocab)) & row(params.temperature > 0)
     flat = scaled.reshape(-1, vocab)
     unfiltered = jnp.full(flat.shape[:1], -jnp.inf, jnp.float32)

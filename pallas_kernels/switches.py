@@ -11,8 +11,11 @@ until a new decoder is built. Outside any decoder, `current()` is the defaults.
   field              variable                 values (default first)
   warp_unfiltered    DSPINE_WARP_UNFILTERED   1 | 0   sampled batches without top-p/top-k
                                                       skip the vocabulary threshold
-  warp_search        DSPINE_WARP_SEARCH       0 | 1   the GPU warp finds its threshold by
-                                                      bisection instead of a sort
+  warp_threshold     DSPINE_WARP_THRESHOLD    sort | search | pallas   how the GPU
+                                                      warp finds its top-p/top-k
+                                                      threshold: a sort of each row, the
+                                                      sort-free search in XLA, or the
+                                                      search in a Pallas kernel
   chain_walk         DSPINE_CHAIN_WALK        auto | all | steps   how a sampled DSpine
                                                       chain is walked
   top_k_grouped      DSPINE_TOP_K_GROUPED     1 | 0   the grouped top-k on GPUs
@@ -45,14 +48,15 @@ from typing import Iterator, Mapping
 CHAIN_WALKS = ("auto", "all", "steps")
 COMBINES = ("unrolled", "xla", "kernel")
 TOP_K_SELECTS = ("sort", "topk")
+WARP_THRESHOLDS = ("sort", "search", "pallas")
 FLAGS = {"warp_unfiltered": ("DSPINE_WARP_UNFILTERED", True),
-         "warp_search": ("DSPINE_WARP_SEARCH", False),
          "top_k_grouped": ("DSPINE_TOP_K_GROUPED", True),
          "top_k_split": ("DSPINE_TOP_K_SPLIT", True),
          "rpa_fused_write": ("DSPINE_RPA_FUSED_WRITE", True),
          "rpa_packed": ("DSPINE_RPA_PACKED", True),
          "rpa_rope": ("DSPINE_RPA_ROPE", False)}
-CHOICES = {"chain_walk": ("DSPINE_CHAIN_WALK", CHAIN_WALKS),
+CHOICES = {"warp_threshold": ("DSPINE_WARP_THRESHOLD", WARP_THRESHOLDS),
+           "chain_walk": ("DSPINE_CHAIN_WALK", CHAIN_WALKS),
            "rpa_combine": ("DSPINE_RPA_COMBINE", COMBINES),
            "top_k_select": ("DSPINE_TOP_K_SELECT", TOP_K_SELECTS)}
 
@@ -60,7 +64,7 @@ CHOICES = {"chain_walk": ("DSPINE_CHAIN_WALK", CHAIN_WALKS),
 @dataclasses.dataclass(frozen=True)
 class Switches:
     warp_unfiltered: bool = True
-    warp_search: bool = False
+    warp_threshold: str = "sort"
     chain_walk: str = "auto"
     top_k_grouped: bool = True
     top_k_split: bool = True

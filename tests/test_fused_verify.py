@@ -7,6 +7,7 @@ verdicts of many identical rows against it."""
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -15,27 +16,34 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from dspine_jax.sampling import (SamplingParams, sample_categorical, warp_logits,
-                                 warp_stats, warp_threshold, warped_probability)
+from dspine_jax.sampling import (THRESHOLD_IMPLEMENTATIONS, SamplingParams,
+                                 sample_categorical, warp_logits, warp_stats, warp_threshold,
+                                 warped_probability)
 from dspine_jax.speculative.propose import (CandidateProposal, Proposal, sample_marginal)
 from dspine_jax.speculative.verify import verify_logits
 from dspine_jax.runtime.offline import generate_tokens
+from pallas_kernels.warp_threshold import warp_threshold as threshold_rows
 from tests.test_sampling import reference_probs
 
 WARPS = [(1.0, 1.0, 0), (0.7, 0.9, 0), (1.3, 1.0, 5), (0.5, 0.5, 10), (1.0, 0.3, 3),
          (2.0, 0.95, 1), (3.0, 0.999, 0), (1.0, 1.0, 300)]
 
 
-WARP_PATHS = ["selection", "sort", "search"]
+WARP_PATHS = ["selection", "sort", "search", "pallas"]
 
 
 def use_warp_path(monkeypatch, path: str) -> bool:
     """Make `warp_threshold` find its set one way: the CPU's partial top-k and bisection
     ("selection"), or with no data-dependent control flow as on a GPU, by a sort of the
-    vocabulary ("sort") or the sort-free search (the warp_search switch, "search").
+    vocabulary ("sort"), the sort-free search in XLA ("search") or in the Pallas kernel,
+    interpreted ("pallas"): the values of the warp_threshold switch.
     Returns whether the path is branch-free."""
     monkeypatch.setattr("dspine_jax.sampling.branch_free", lambda: path != "selection")
-    monkeypatch.setattr("dspine_jax.sampling.warp_search", lambda: path == "search")
+    implementation = THRESHOLD_IMPLEMENTATIONS.get(path, "sort")
+    monkeypatch.setattr("dspine_jax.sampling.gpu_threshold_implementation",
+                        lambda: implementation)
+    monkeypatch.setattr("dspine_jax.sampling.threshold_rows", functools.partial(
+        threshold_rows, interpret=implementation == "pallas_gpu"))
     return path != "selection"
 
 
@@ -252,7 +260,7 @@ def test_sampled_sparse_path_sorts_no_vocabulary():
 
 
 def test_sort_free_search_traces_no_sort_and_no_loop(monkeypatch):
-    """DSPINE_WARP_SEARCH=1 on the branch-free path: the threshold of a top-p/top-k warp
+    """DSPINE_WARP_THRESHOLD=search on the branch-free path: the threshold of a top-p/top-k warp
     with no vocabulary sort and no while loop (a loop step would wait on the host on a
     GPU), and the same kept set as the sort on exact ties."""
     vocab = 3000

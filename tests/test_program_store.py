@@ -85,7 +85,7 @@ def test_what_the_trace_depends_on_is_another_program(store, traces):
     for changed in (dict(eos_token_ids=[0, 7]),                       # a closed-over array
                     dict(eos_token_ids=[0], steps_per_call=2),         # a runtime choice
                     dict(eos_token_ids=[0],                            # a kernel switch
-                         switches=Switches.from_environment({"DSPINE_WARP_SEARCH": "1"}))):
+                         switches=Switches.from_environment({"DSPINE_WARP_THRESHOLD": "search"}))):
         traces.clear()
         _, steps = run(SpeculativeEngine(target, drafter, **changed), REQUESTS[:1])
         assert steps.loaded == 0 and traces, changed

@@ -1,0 +1,99 @@
+"""The threshold by search instead of a sort: the rule every search implementation
+follows, written once over order-preserving int32 keys of the float32 logits.
+
+With key(x) increasing in x, tau is found by two searches for the largest key where a
+monotone predicate (true, then false) holds:
+1. t_k, the k-th largest value (repeats counted): the largest key t with
+   count(keys >= t) >= k; the row's minimum without top-k.
+2. Over the softmax of the top-k set (every entry above t_k and k - their count copies of
+   t_k, as the sort's first k ranks), with e = exp(x - max) and z that set's mass: the
+   largest key t in [t_k, max] whose higher entries hold at least top_p * z. The kept set
+   is the entries above it (one past it, in key order), or down to t_k when even t_k's
+   higher entries hold less (and always when top_p >= 1).
+Each search is ROUNDS rounds of a WAYS-way split of [lo, hi]: the candidates
+lo + min(j * step, width), j < WAYS, step = width // WAYS + 1, keep the largest true one
+and the interval below the smallest false one; 8 rounds of 16 ways close any int32
+interval. Masked sums round differently from the sort's cumsum: a token whose mass-before
+lies within float32 rounding of top_p can fall either side.
+
+Keys are int32 bit patterns: x's float bits, the magnitude bits flipped for negative x,
+so signed int32 order is float order (-0.0 just below +0.0). Interval widths can exceed
+2^31, so they are kept as unsigned values in int32 bit patterns (`unsigned_less`, logical
+shifts), which wrap alike in XLA and Triton.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+WAYS = 16
+ROUNDS = 8            # 16^8 = 2^32: any int32 interval
+_SIGN = -2**31
+
+
+def ordered_key(x: jax.Array) -> jax.Array:
+    """float32 -> int32 with the same order."""
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def key_value(key: jax.Array) -> jax.Array:
+    """ordered_key's inverse."""
+    return lax.bitcast_convert_type(jnp.where(key < 0, key ^ 0x7FFFFFFF, key), jnp.float32)
+
+
+def unsigned_less(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a < b for int32 bit patterns read as uint32."""
+    return (a ^ _SIGN) < (b ^ _SIGN)
+
+
+def candidates(lo: jax.Array, hi: jax.Array) -> jax.Array:
+    """[..., WAYS] keys splitting [lo, hi] ([...] each), candidate 0 = lo."""
+    width = hi - lo                                            # uint32 bits: hi >= lo
+    step = lax.shift_right_logical(width, 4) + 1               # width // 16 + 1 <= 2^28
+    offset = jnp.arange(WAYS, dtype=jnp.int32) * step[..., None]   # < 2^32: fits uint32
+    width = width[..., None]
+    return lo[..., None] + jnp.where(unsigned_less(offset, width), offset, width)
+
+
+def narrow(cand: jax.Array, ok: jax.Array, hi: jax.Array):
+    """The next round's (lo, hi) from candidates [..., WAYS] and the predicate at each
+    (candidate 0, the current lo, counts as true)."""
+    ok = ok | (jnp.arange(WAYS) == 0)
+    lo = jnp.max(jnp.where(ok, cand, jnp.iinfo(jnp.int32).min), -1)
+    hi = jnp.min(jnp.where(ok, hi[..., None], cand - 1), -1)
+    return lo, hi
+
+
+def search_threshold(scaled: jax.Array, k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """The rule above in plain JAX (no sort, no data-dependent control flow): each round
+    one masked reduction over the vocabulary ([R, WAYS, V] compares, fused).
+    scaled [R, V] float32, k [R] int32 in 1..V, top_p [R] -> tau [R] float32."""
+    keys = ordered_key(scaled)                                         # [R, V]
+    lo, hi = jnp.min(keys, -1), jnp.max(keys, -1)
+
+    def largest_where(pred, lo, hi):
+        for _ in range(ROUNDS):
+            cand = candidates(lo, hi)                                  # [R, W]
+            lo, hi = narrow(cand, pred(cand), hi)
+        return lo
+
+    def enough(c):        # at least k entries at or above each candidate
+        return jnp.sum(keys[:, None, :] >= c[:, :, None], -1) >= k[:, None]
+
+    t_k = largest_where(enough, lo, hi)
+    top = jnp.max(scaled, -1, keepdims=True)
+    e = jnp.exp(scaled - top)                                          # [R, V]
+    above = keys > t_k[:, None]
+    mass = jnp.sum(jnp.where(above, e, 0.0), -1)
+    z = mass + (k - jnp.sum(above, -1)) * jnp.exp(key_value(t_k) - top[:, 0])
+
+    def heavy(c):         # the entries above each candidate hold at least top_p * z
+        above_c = jnp.where(keys[:, None, :] > c[:, :, None], e[:, None, :], 0.0)
+        return jnp.sum(above_c, -1) >= (top_p * z)[:, None]
+
+    last_heavy = largest_where(heavy, t_k, hi)
+    kept_from = jnp.where((top_p < 1) & (mass >= top_p * z), last_heavy + 1, t_k)
+    return key_value(kept_from)
