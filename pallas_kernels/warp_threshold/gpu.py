@@ -1,13 +1,16 @@
-"""The threshold search for NVIDIA GPUs, written with Pallas's Triton lowering.
+"""The threshold search's rounds for NVIDIA GPUs, written with Pallas's Triton lowering.
 
-R rows, V vocab, W = WAYS candidates, BV vocabulary tile.
+R rows, V vocab, W = WAYS candidates, S vocabulary splits, BV vocabulary tile.
 
-One program per row streams its V logits from memory in BV-wide tiles, once per pass:
-one for the row's max and extreme keys, ROUNDS for each search (the t_k search only
-where the row has a top-k), one for the top-k set's mass. A pass compares every tile
-against the W candidates at once ([W, BV] in registers) and keeps [W] running counts or
-sums, so a search round reads the row once and no [R, V] intermediate is written. The
-searches loop on the device: nothing waits on the host and no row is sorted.
+`search.search_threshold` runs 2 x ROUNDS rounds, each one reduction over the vocabulary
+against W candidates per row. In XLA that reduction reads the row once per candidate. Here
+one launch per round does it: program (r, s) streams its share of row r in BV-wide tiles
+and compares each tile against the W candidates at once, accumulating a [W, BV] count or
+mass in registers and reducing it across lanes once at the end, so the row is read once
+per round and no [R, W, V] intermediate exists. The S splits keep the GPU busy when R
+is small (a batch-1 verify has 16 rows); XLA sums the [R, S, W] partials and narrows the
+interval. Rows whose search is not needed (no top-k, or a kept set down to t_k) return
+zeros without reading.
 
 Compiled and timed only where a CUDA GPU is present (tests marked `gpu`); elsewhere the
 tests run it in Pallas interpret mode.
@@ -23,92 +26,79 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .search import ROUNDS, WAYS, candidates, key_value, narrow, ordered_key
+from ..platform import multiprocessors
+from .search import WAYS, ordered_key, search_threshold
 
 BLOCK_V = 1024
 NUM_WARPS = 8
+NUM_STAGES = 2
+PROGRAMS_PER_MULTIPROCESSOR = 2
 
 
-def _kernel(x_ref, k_ref, p_ref, tau_ref, *, vocab, block_v):
-    r = pl.program_id(0)
-    n_tiles = pl.cdiv(vocab, block_v)
+def _round_kernel(x_ref, cand_ref, top_ref, active_ref, out_ref, *, kind, vocab, block_v,
+                  tiles_per_split, n_tiles):
+    r, s = pl.program_id(0), pl.program_id(1)
+    first = s * tiles_per_split
+    last = jnp.minimum(n_tiles, first + tiles_per_split)
     lanes = lax.broadcasted_iota(jnp.int32, (block_v,), 0)
-    k = k_ref[r]
-    top_p = p_ref[r]
+    cand = cand_ref[r, :][:, None]                                     # [W, 1]
+    top = top_ref[r]
 
-    def tile(t):
-        """[BV] logits and keys of tile t, and which lanes lie inside the row."""
+    def tile(t, acc):
         cols = t * block_v + lanes
-        x = x_ref[r, jnp.minimum(cols, vocab - 1)]                     # clamped reads
-        return x, ordered_key(x), cols < vocab
+        x = x_ref[r, jnp.minimum(cols, vocab - 1)]                     # [BV], clamped reads
+        valid = (cols < vocab)[None, :]
+        key = ordered_key(x)[None, :]
+        if kind == "count_ge":
+            return acc + jnp.where((key >= cand) & valid, 1, 0)
+        e = jnp.where(valid, jnp.exp(x - top)[None, :], 0.0)
+        return acc + jnp.where(key > cand, e, 0.0)
 
-    def extremes(t, carry):
-        top, lo, hi = carry
-        x, key, valid = tile(t)
-        return (jnp.maximum(top, jnp.max(jnp.where(valid, x, -jnp.inf))),
-                jnp.minimum(lo, jnp.min(jnp.where(valid, key, jnp.iinfo(jnp.int32).max))),
-                jnp.maximum(hi, jnp.max(jnp.where(valid, key, jnp.iinfo(jnp.int32).min))))
+    dtype = jnp.int32 if kind == "count_ge" else jnp.float32
 
-    top, lo, hi = lax.fori_loop(0, n_tiles, extremes,
-                                (jnp.float32(-jnp.inf), jnp.int32(jnp.iinfo(jnp.int32).max),
-                                 jnp.int32(jnp.iinfo(jnp.int32).min)))
+    def reduce():
+        acc = lax.fori_loop(first, last, tile, jnp.zeros((WAYS, block_v), dtype))
+        return jnp.sum(acc, axis=1)
 
-    def largest_where(reduce_tile, init, test, lo, hi):
-        """The largest key in [lo, hi] where test(reduction) holds, the reduction summed
-        over tiles from reduce_tile(cand [W, 1], tile) -> [W]."""
-        def one_round(_, bounds):
-            lo, hi = bounds
-            cand = candidates(lo, hi)                                  # [W]
-            total = lax.fori_loop(
-                0, n_tiles, lambda t, acc: acc + reduce_tile(cand[:, None], t),
-                jnp.full((WAYS,), init))
-            return narrow(cand, test(total), hi)
-        return lax.fori_loop(0, ROUNDS, one_round, (lo, hi))[0]
-
-    def count_at_or_above(cand, t):
-        _, key, valid = tile(t)
-        return jnp.sum(jnp.where((key[None, :] >= cand) & valid[None, :], 1, 0), axis=1)
-
-    t_k = lax.cond(k < vocab,
-                   lambda: largest_where(count_at_or_above, 0, lambda n: n >= k, lo, hi),
-                   lambda: lo)
-
-    def above_t_k(t, carry):
-        mass, count = carry
-        x, key, valid = tile(t)
-        above = (key > t_k) & valid
-        return (mass + jnp.sum(jnp.where(above, jnp.exp(x - top), 0.0)),
-                count + jnp.sum(jnp.where(above, 1, 0)))
-
-    mass, count = lax.fori_loop(0, n_tiles, above_t_k, (jnp.float32(0), jnp.int32(0)))
-    z = mass + (k - count).astype(jnp.float32) * jnp.exp(key_value(t_k) - top)
-
-    def mass_above(cand, t):
-        x, key, valid = tile(t)
-        e = jnp.where(valid, jnp.exp(x - top), 0.0)[None, :]          # [1, BV]
-        return jnp.sum(jnp.where(key[None, :] > cand, e, 0.0), axis=1)
-
-    nucleus = (top_p < 1) & (mass >= top_p * z)
-    kept_from = lax.cond(
-        nucleus,
-        lambda: largest_where(mass_above, 0.0, lambda m: m >= top_p * z, t_k, hi) + 1,
-        lambda: t_k)
-    tau_ref[r] = key_value(kept_from)
+    out_ref[...] = lax.cond(active_ref[r] > 0, reduce, lambda: jnp.zeros((WAYS,), dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_v", "num_warps"))
-def warp_threshold_gpu(scaled, k, top_p, *, interpret=False, block_v=BLOCK_V,
-                       num_warps=NUM_WARPS):
+def _num_splits(rows: int, n_tiles: int) -> int:
+    """Vocabulary splits per row: enough programs for every multiprocessor."""
+    want = -(-PROGRAMS_PER_MULTIPROCESSOR * multiprocessors() // rows)
+    return max(1, min(n_tiles, want))
+
+
+def gpu_round_stat(keys, scaled, top, *, interpret=False, block_v=BLOCK_V):
+    """`search_threshold`'s round reduction as one Pallas launch per round."""
+    del keys                                   # each tile's keys are recomputed in registers
+    rows, vocab = scaled.shape
+    n_tiles = pl.cdiv(vocab, block_v)
+    num_splits = _num_splits(rows, n_tiles)
+    tiles_per_split = pl.cdiv(n_tiles, num_splits)
+    num_splits = pl.cdiv(n_tiles, tiles_per_split)
+
+    def stat(kind, cand, active):
+        dtype = jnp.int32 if kind == "count_ge" else jnp.float32
+        kernel = functools.partial(_round_kernel, kind=kind, vocab=vocab, block_v=block_v,
+                                   tiles_per_split=tiles_per_split, n_tiles=n_tiles)
+        partials = pl.pallas_call(
+            kernel,
+            grid=(rows, num_splits),
+            in_specs=[pl.no_block_spec] * 4,
+            out_specs=pl.BlockSpec((None, None, WAYS), lambda r, s: (r, s, 0)),
+            out_shape=jax.ShapeDtypeStruct((rows, num_splits, WAYS), dtype),
+            compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS,
+                                                    num_stages=NUM_STAGES),
+            interpret=interpret,
+            name=f"warp_threshold_{kind}",
+        )(scaled, cand, top, active.astype(jnp.int32))
+        return jnp.sum(partials, axis=1)                                # [R, W]
+    return stat
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def warp_threshold_gpu(scaled, k, top_p, *, interpret=False):
     """scaled [R, V] float32, k [R] int32, top_p [R] float32 -> tau [R] float32."""
-    r, vocab = scaled.shape
-    kernel = functools.partial(_kernel, vocab=vocab, block_v=block_v)
-    return pl.pallas_call(
-        kernel,
-        grid=(r,),
-        in_specs=[pl.no_block_spec] * 3,
-        out_specs=pl.no_block_spec,
-        out_shape=jax.ShapeDtypeStruct((r,), jnp.float32),
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret,
-        name="warp_threshold",
-    )(scaled, k, top_p)
+    return search_threshold(scaled, k, top_p, round_stat=functools.partial(
+        gpu_round_stat, interpret=interpret))

@@ -67,12 +67,35 @@ def narrow(cand: jax.Array, ok: jax.Array, hi: jax.Array):
     return lo, hi
 
 
-def search_threshold(scaled: jax.Array, k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """The rule above in plain JAX (no sort, no data-dependent control flow): each round
-    one masked reduction over the vocabulary ([R, WAYS, V] compares, fused).
-    scaled [R, V] float32, k [R] int32 in 1..V, top_p [R] -> tau [R] float32."""
+def xla_round_stat(keys: jax.Array, e: jax.Array):
+    """A search round's reduction in plain JAX: stat(kind, cand [R, W], active [R]) -> [R, W],
+    for every row (active is only a hint), one masked reduction over the vocabulary
+    ([R, W, V] compares, fused)."""
+    def stat(kind, cand, active):
+        del active
+        if kind == "count_ge":
+            return jnp.sum(keys[:, None, :] >= cand[:, :, None], -1)
+        return jnp.sum(jnp.where(keys[:, None, :] > cand[:, :, None], e[:, None, :], 0.0), -1)
+    return stat
+
+
+def search_threshold(scaled: jax.Array, k: jax.Array, top_p: jax.Array,
+                     round_stat=None) -> jax.Array:
+    """The rule above, no sort and no data-dependent control flow.
+    scaled [R, V] float32, k [R] int32 in 1..V, top_p [R] -> tau [R] float32.
+
+    round_stat(keys, scaled, top) -> stat computes each round's reduction:
+    stat("count_ge", cand, active) the entries at or above each candidate, and
+    stat("mass_gt", cand, active) the sum of exp(x - top) over the entries above each; it
+    may return zeros for rows where active is false (their search is not needed).
+    Default: `xla_round_stat`."""
+    vocab = scaled.shape[-1]
     keys = ordered_key(scaled)                                         # [R, V]
     lo, hi = jnp.min(keys, -1), jnp.max(keys, -1)
+    top = jnp.max(scaled, -1)                                          # [R]
+    e = jnp.exp(scaled - top[:, None])
+    stat = (round_stat or (lambda keys, scaled, top: xla_round_stat(keys, e)))(
+        keys, scaled, top)
 
     def largest_where(pred, lo, hi):
         for _ in range(ROUNDS):
@@ -80,20 +103,15 @@ def search_threshold(scaled: jax.Array, k: jax.Array, top_p: jax.Array) -> jax.A
             lo, hi = narrow(cand, pred(cand), hi)
         return lo
 
-    def enough(c):        # at least k entries at or above each candidate
-        return jnp.sum(keys[:, None, :] >= c[:, :, None], -1) >= k[:, None]
-
-    t_k = largest_where(enough, lo, hi)
-    top = jnp.max(scaled, -1, keepdims=True)
-    e = jnp.exp(scaled - top)                                          # [R, V]
+    # 1. t_k: at least k entries at or above it (rows without top-k: the minimum)
+    has_top_k = k < vocab
+    t_k = largest_where(lambda c: stat("count_ge", c, has_top_k) >= k[:, None], lo, hi)
+    t_k = jnp.where(has_top_k, t_k, lo)
     above = keys > t_k[:, None]
     mass = jnp.sum(jnp.where(above, e, 0.0), -1)
-    z = mass + (k - jnp.sum(above, -1)) * jnp.exp(key_value(t_k) - top[:, 0])
-
-    def heavy(c):         # the entries above each candidate hold at least top_p * z
-        above_c = jnp.where(keys[:, None, :] > c[:, :, None], e[:, None, :], 0.0)
-        return jnp.sum(above_c, -1) >= (top_p * z)[:, None]
-
-    last_heavy = largest_where(heavy, t_k, hi)
-    kept_from = jnp.where((top_p < 1) & (mass >= top_p * z), last_heavy + 1, t_k)
-    return key_value(kept_from)
+    z = mass + (k - jnp.sum(above, -1)) * jnp.exp(key_value(t_k) - top)
+    # 2. the largest key whose higher entries hold at least top_p * z
+    nucleus = (top_p < 1) & (mass >= top_p * z)
+    last_heavy = largest_where(
+        lambda c: stat("mass_gt", c, nucleus) >= (top_p * z)[:, None], t_k, hi)
+    return key_value(jnp.where(nucleus, last_heavy + 1, t_k))
