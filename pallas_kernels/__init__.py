@@ -29,6 +29,11 @@ TPU kernels not yet on a TPU.
   Triton lowering) beside the plain-JAX reference. The target runs them with
   `layer_kernels="fused"`; today they are slower than XLA's fusions (docs/benchmarks.md,
   "Fused decode layers"), so XLA's layers stay the default.
+* `warp_threshold` (folder `warp_threshold/`): a top-k/top-p warp's threshold per row of
+  logits (the kept set is the entries at or above it), by a sort of each row (the
+  reference), by a sort-free search in plain JAX, or by the same search with each round
+  one Hopper GPU launch (Pallas Triton lowering) that reads every row once; speculative
+  verification at T > 0 needs it for every verified position.
 * `top_k` (module `top_k.py`): lax.top_k over long rows, exactly; on a GPU grouped (k >= 2)
   or split into chunks when the rows are too few to fill it (XLA's TopK runs one thread
   block per row); the "xla" path of `vocab_top_k` and the engine's argmax and candidate

@@ -34,7 +34,7 @@ until a new decoder is built. Outside any decoder, `current()` is the defaults.
   rpa_rope           DSPINE_RPA_ROPE          0 | 1   1: the GPU attention kernel rotates
                                                       q and the new keys as it loads them
                                                       (0: the fusion that packs them
-                                                      does; 1 is not yet timed on a GPU)
+                                                      does; 1 is slower on an H100)
 """
 
 from __future__ import annotations

@@ -22,8 +22,9 @@ offsets, so no XLA kernel splits it. With rope = (cos, sin) the kernel rotates q
 new keys as it loads them (`load_rotated`: the rotate-half partner is a second load of
 the same rows with the halves swapped, the tables are gathered by token), so that a
 projection's output could reach the kernel untouched (the models pass it under the
-`rpa_rope` switch, off until it is timed on a GPU); calls it does not write itself
-(prefill) are rotated by XLA first, since the pools must hold rotated keys before it.
+`rpa_rope` switch, off: on an H100 the second load costs more than the fusion it
+saves); calls it does not write itself (prefill) are rotated by XLA first, since the
+pools must hold rotated keys before it.
 
 Keys. A tile of BN keys is gathered through the page table: BN / PS page ids per tile
 (scalar loads), then each key's H values, which are contiguous in the pool (the keys of
