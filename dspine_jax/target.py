@@ -27,6 +27,8 @@ from dspine_jax.fused_layers import FusedLayers, rope_rows
 from dspine_jax.kv_cache import PagedKVCache
 from dspine_jax.layers import MLP, Embedding, Linear, RMSNorm, split_sizes, stacked_linear
 from dspine_jax.rope import apply_rope, rope_frequencies, rope_table
+from pallas_kernels.ragged_paged_attention.common import split_packed
+from pallas_kernels.rope import rotate_half_split
 
 
 @struct.dataclass
@@ -89,12 +91,11 @@ class Attention(nnx.Module):
         return self.q_proj.weight[...], self.k_proj.weight[...], self.v_proj.weight[...]
 
     def project(self, x: jax.Array, positions: jax.Array):
-        """x [B, T, D] -> rotated q [B, T, N, H], rotated k and v [B, T, K, H]."""
-        if self.fused:
-            q, k, v = split_sizes(self.qkv_proj(x), self._sizes)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        return (self._rotated_q(q, positions),) + self.rotated_kv(k, v, positions)
+        """x [B, T, D] -> rotated q [B, T, N, H], rotated k and v [B, T, K, H]: the packed
+        operand (`packed_qkv`) split and rotated, for attention outside the paged op."""
+        q, k, v = split_packed(self.packed_qkv(x), self.config.num_key_value_heads)
+        cos, sin = self.rotation(positions)
+        return rotate_half_split(q, cos, sin), rotate_half_split(k, cos, sin), v
 
     def packed_qkv(self, x: jax.Array) -> jax.Array:
         """x [B, T, D] -> [B, T, N + 2K, H]: each token's q heads, then its k and v heads,
@@ -122,13 +123,6 @@ class Attention(nnx.Module):
         context KV (a fused drafter projects every layer's at once:
         `BlockDrafter.context_kvs`)."""
         return self.rotated_kv(self.k_proj(x), self.v_proj(x), positions)
-
-    def _rotated_q(self, q: jax.Array, positions: jax.Array) -> jax.Array:
-        c = self.config
-        q = q.reshape(*q.shape[:2], c.num_attention_heads, c.head_dim)
-        if c.qk_norm:
-            q = self.q_norm(q)
-        return apply_rope(q, positions, *rope_frequencies(c))
 
     def rotated_kv(self, k: jax.Array, v: jax.Array, positions: jax.Array):
         """k, v [B, T, K * H] -> k (normed where the model does) rotated, v: [B, T, K, H]."""
