@@ -137,7 +137,9 @@ def warped64(logits, warp):
     return np.stack([reference_probs(row, *warp) for row in np.asarray(logits, np.float64)])
 
 
-@pytest.mark.parametrize("path", WARP_PATHS)
+# The interpreted kernel finds the search's threshold (the tests above); under the sampling
+# loop here it would take minutes of CPU, so its law is the search's.
+@pytest.mark.parametrize("path", [p for p in WARP_PATHS if p != "pallas"])
 @pytest.mark.parametrize("warp", [(1.0, 1.0, 0), (0.8, 0.9, 6)], ids=["T1", "T0.8-p0.9-k6"])
 def test_rule_with_a_marginal_proposal_has_the_exact_law(warp, path, monkeypatch):
     if warp[1:] == (1.0, 0) and path != "selection":

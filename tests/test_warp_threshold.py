@@ -115,3 +115,23 @@ def test_gpu_kernel_compiled():
         k = rng.choice([vocab, 50, 2000], rows).astype(np.int32)
         top_p = rng.choice([0.9, 0.5, 1.0], rows).astype(np.float32)
         check("pallas_gpu", x, k, top_p, interpret=False)
+
+
+def test_rows_benchmark_times_every_implementation(tmp_path):
+    """The benchmark runs every implementation (each kept set checked against the sort's
+    first) and writes one JSON row per implementation; the kernel needs a GPU or
+    --interpret."""
+    import json
+
+    from dspine_benchmarks import warp_threshold_rows
+
+    out = tmp_path / "rows.jsonl"
+    warp_threshold_rows.main(["--rows", "16", "--vocab", "3000", "--iters", "2",
+                              "--repeats", "1", "--top-k", "100", "--interpret",
+                              "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["implementation"] for r in rows] == list(IMPLEMENTATIONS)
+    assert all(r["us"] > 0 and r["one_read_us"] > 0 and r["vocab"] == 3000 for r in rows)
+    if jax.default_backend() != "gpu":
+        with pytest.raises(SystemExit):
+            warp_threshold_rows.main(["--rows", "16", "--vocab", "3000"])
