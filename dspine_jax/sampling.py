@@ -7,7 +7,6 @@ Order follows transformers: temperature, then top-k, then top-p on what top-k ke
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +18,7 @@ from pallas_kernels import switches
 from pallas_kernels import top_k as long_rows
 from pallas_kernels.warp_threshold import warp_threshold as threshold_rows
 from pallas_kernels.warp_threshold import warp_threshold_reference
+from pallas_kernels.warp_threshold.search import key_value, ordered_key
 
 
 @struct.dataclass
@@ -130,8 +130,8 @@ THRESHOLD_IMPLEMENTATIONS = {"sort": "sort", "search": "search", "pallas": "pall
 
 def gpu_threshold_implementation() -> str:
     """How the branch-free warp finds its threshold (`pallas_kernels.warp_threshold`): a
-    sort of the vocabulary, the sort-free search in XLA, or the search as one Pallas
-    program per row. The `warp_threshold` switch (DSPINE_WARP_THRESHOLD)."""
+    sort of the vocabulary, the sort-free search in XLA, or the search with each round
+    one Pallas launch. The `warp_threshold` switch (DSPINE_WARP_THRESHOLD)."""
     return THRESHOLD_IMPLEMENTATIONS[switches.current().warp_threshold]
 
 
@@ -226,34 +226,23 @@ def warp_threshold(scaled: jax.Array, params: SamplingParams,
     return tau.reshape(lead)
 
 
-def _ordered(x: jax.Array) -> jax.Array:
-    """float32 -> uint32 with the same order (finite values and infinities)."""
-    i = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    return jnp.where(i >> 31 == 1, ~i, i | jnp.uint32(0x80000000))
-
-
-def _unordered(u: jax.Array) -> jax.Array:
-    i = jnp.where(u >> 31 == 1, u & jnp.uint32(0x7FFFFFFF), ~u)
-    return jax.lax.bitcast_convert_type(i, jnp.float32)
-
-
 def _bisect_top_p(flat: jax.Array, top_p: jax.Array) -> jax.Array:
     """flat [R, V] scaled logits, top_p [R] -> the smallest float32 t with
     mass(flat > t) < top_p (softmax over the whole row): `warp_logits`' top-p threshold
     without top-k, by bisection over the ordered float32 values."""
     probs = jax.nn.softmax(flat, axis=-1)
-    lo = _ordered(jnp.min(flat, -1))
-    hi = _ordered(jnp.max(flat, -1))          # mass above the max is 0 < top_p
+    lo = ordered_key(jnp.min(flat, -1))
+    hi = ordered_key(jnp.max(flat, -1))       # mass above the max is 0 < top_p
 
     def body(_, bounds):
         lo, hi = bounds
-        mid = lo + (hi - lo) // 2
-        mass = jnp.sum(jnp.where(flat > _unordered(mid)[:, None], probs, 0.0), -1)
+        mid = lo + jax.lax.shift_right_logical(hi - lo, 1)    # hi - lo read unsigned
+        mass = jnp.sum(jnp.where(flat > key_value(mid)[:, None], probs, 0.0), -1)
         ok = mass < top_p
         return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
 
     _, hi = jax.lax.fori_loop(0, 32, body, (lo, hi))
-    return _unordered(hi)
+    return key_value(hi)
 
 
 def warp_stats(logits: jax.Array, params: SamplingParams):

@@ -5,8 +5,9 @@ k (V: no top-k) and top_p (1: no top-p), tau [R] such that the warp keeps exactl
 entries >= tau: reference.py's sort of each row is the definition. Implementations:
   "sort"        reference.py (XLA's sort of every row; what a GPU ran before),
   "search"      search.py's two searches in plain JAX, branch-free,
-  "pallas_gpu"  the same searches in one Pallas (Triton lowering) program per row
-                (gpu.py), reading each row once per round, no [R, V] intermediate.
+  "pallas_gpu"  the same searches, each round one Pallas (Triton lowering) launch split
+                over rows and vocabulary (gpu.py) that reads each row once, no
+                [R, W, V] intermediate.
 Speculative verification at T > 0 needs the threshold of every verified position
 (batch x 16 rows of the whole vocabulary); the sort of those rows was what a top-p pass
 cost over a greedy one.

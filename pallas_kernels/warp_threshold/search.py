@@ -94,8 +94,7 @@ def search_threshold(scaled: jax.Array, k: jax.Array, top_p: jax.Array,
     lo, hi = jnp.min(keys, -1), jnp.max(keys, -1)
     top = jnp.max(scaled, -1)                                          # [R]
     e = jnp.exp(scaled - top[:, None])
-    stat = (round_stat or (lambda keys, scaled, top: xla_round_stat(keys, e)))(
-        keys, scaled, top)
+    stat = round_stat(keys, scaled, top) if round_stat else xla_round_stat(keys, e)
 
     def largest_where(pred, lo, hi):
         for _ in range(ROUNDS):
