@@ -28,6 +28,7 @@ import numpy as np
 
 from dspine_benchmarks.decode_step import jax_copy_bandwidth, median_time
 from pallas_kernels.warp_threshold import IMPLEMENTATIONS, warp_threshold
+from pallas_kernels.warp_threshold.search import WAYS
 
 TOP_P = 0.9
 TEMPERATURE = 0.8
@@ -50,6 +51,8 @@ def main(argv=None):
     p.add_argument("--vocab", type=int, nargs="+", default=[49152, 151936])
     p.add_argument("--implementations", nargs="+", choices=IMPLEMENTATIONS,
                    default=list(IMPLEMENTATIONS))
+    p.add_argument("--ways", type=int, nargs="+", default=[WAYS],
+                   help="the searches' candidates per round, each timed (powers of two)")
     p.add_argument("--top-k", type=int, default=0, help="a top-k on every row (0: none)")
     p.add_argument("--interpret", action="store_true",
                    help="run the Pallas kernel in interpret mode (CPU smoke runs)")
@@ -63,7 +66,10 @@ def main(argv=None):
 
     gbps = jax_copy_bandwidth() / 1e9
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, copy {gbps:.0f} GB/s")
-    print(f"{'rows':>5} {'vocab':>7} {'implementation':<14} {'us':>9} {'one read us':>12}")
+    print(f"{'rows':>5} {'vocab':>7} {'implementation':<14} {'ways':>4} {'us':>9} "
+          f"{'one read us':>12}")
+    variants = [(name, ways) for name in args.implementations
+                for ways in ([None] if name == "sort" else args.ways)]
     rng = np.random.default_rng(0)
     for vocab in args.vocab:
         for rows in args.rows:
@@ -72,24 +78,27 @@ def main(argv=None):
             k = jnp.full((rows,), args.top_k or vocab, jnp.int32)
             top_p = jnp.full((rows,), TOP_P, jnp.float32)
             read_us = x.nbytes / (gbps / 2) / 1e3
-            kept = {}
-            for name in args.implementations:
-                fn = jax.jit(lambda x, name=name: warp_threshold(
-                    x, k, top_p, implementation=name, interpret=args.interpret))
-                kept[name] = np.sum(np.asarray(x) >= np.asarray(fn(x))[:, None], axis=1)
-                if name != args.implementations[0] and not np.array_equal(
-                        kept[name], kept[args.implementations[0]]):
-                    raise SystemExit(f"{name} at {rows} x {vocab}: kept sets differ from "
-                                     f"{args.implementations[0]}'s")
+            first = None
+            for name, ways in variants:
+                fn = jax.jit(lambda x, name=name, ways=ways: warp_threshold(
+                    x, k, top_p, implementation=name, ways=ways or WAYS,
+                    interpret=args.interpret))
+                kept = np.sum(np.asarray(x) >= np.asarray(fn(x))[:, None], axis=1)
+                if first is None:
+                    first = kept
+                elif not np.array_equal(kept, first):
+                    raise SystemExit(f"{name} (ways {ways}) at {rows} x {vocab}: kept sets "
+                                     f"differ from {variants[0][0]}'s")
                 run = looped(fn, args.iters)
                 us = median_time(lambda: run(x).block_until_ready(), args.repeats) / (
                     args.iters * 1e-6)
-                print(f"{rows:>5} {vocab:>7} {name:<14} {us:>9.1f} {read_us:>12.1f}",
-                      flush=True)
+                print(f"{rows:>5} {vocab:>7} {name:<14} {ways or '-':>4} {us:>9.1f} "
+                      f"{read_us:>12.1f}", flush=True)
                 if args.out:
                     with open(args.out, "a") as f:
                         f.write(json.dumps({
                             "rows": rows, "vocab": vocab, "implementation": name,
+                            "ways": ways,
                             "top_p": TOP_P, "top_k": args.top_k, "us": us,
                             "one_read_us": read_us, "copy_GBps": gbps, "iters": args.iters,
                             "repeats": args.repeats, "interpret": args.interpret,

@@ -179,7 +179,8 @@ def warp_threshold(scaled: jax.Array, params: SamplingParams,
         on = (params.temperature > 0) & ((params.top_p < 1) | (params.top_k > 0))
         k, top_p = _row_params(params, lead, vocab)
         found = threshold_rows(scaled.reshape(-1, vocab), k, top_p,
-                               implementation=gpu_threshold_implementation()).reshape(lead)
+                               implementation=gpu_threshold_implementation(),
+                               ways=int(switches.current().warp_ways)).reshape(lead)
         return jnp.where(_per_row(on, nd - 1), found, -jnp.inf)
     row = lambda x: jnp.broadcast_to(_per_row(x, nd - 1), lead).reshape(-1)  # noqa: E731
     k_eff, top_p = _row_params(params, lead, vocab)

@@ -16,6 +16,9 @@ until a new decoder is built. Outside any decoder, `current()` is the defaults.
                                                       threshold: a sort of each row, the
                                                       sort-free search in XLA, or the
                                                       search in a Pallas kernel
+  warp_ways          DSPINE_WARP_WAYS         16 | 64   the searches' candidates per
+                                                      round (64: 12 rounds, not 16, with
+                                                      4x the compares in each)
   chain_walk         DSPINE_CHAIN_WALK        auto | all | steps   how a sampled DSpine
                                                       chain is walked
   top_k_grouped      DSPINE_TOP_K_GROUPED     1 | 0   the grouped top-k on GPUs
@@ -49,6 +52,7 @@ CHAIN_WALKS = ("auto", "all", "steps")
 COMBINES = ("unrolled", "xla", "kernel")
 TOP_K_SELECTS = ("sort", "topk")
 WARP_THRESHOLDS = ("sort", "search", "pallas")
+WARP_WAYS = ("16", "64")
 FLAGS = {"warp_unfiltered": ("DSPINE_WARP_UNFILTERED", True),
          "top_k_grouped": ("DSPINE_TOP_K_GROUPED", True),
          "top_k_split": ("DSPINE_TOP_K_SPLIT", True),
@@ -56,6 +60,7 @@ FLAGS = {"warp_unfiltered": ("DSPINE_WARP_UNFILTERED", True),
          "rpa_packed": ("DSPINE_RPA_PACKED", True),
          "rpa_rope": ("DSPINE_RPA_ROPE", False)}
 CHOICES = {"warp_threshold": ("DSPINE_WARP_THRESHOLD", WARP_THRESHOLDS),
+           "warp_ways": ("DSPINE_WARP_WAYS", WARP_WAYS),
            "chain_walk": ("DSPINE_CHAIN_WALK", CHAIN_WALKS),
            "rpa_combine": ("DSPINE_RPA_COMBINE", COMBINES),
            "top_k_select": ("DSPINE_TOP_K_SELECT", TOP_K_SELECTS)}
@@ -65,6 +70,7 @@ CHOICES = {"warp_threshold": ("DSPINE_WARP_THRESHOLD", WARP_THRESHOLDS),
 class Switches:
     warp_unfiltered: bool = True
     warp_threshold: str = "sort"
+    warp_ways: str = "16"
     chain_walk: str = "auto"
     top_k_grouped: bool = True
     top_k_split: bool = True

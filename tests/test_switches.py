@@ -27,11 +27,12 @@ def test_the_environment_is_read_once_and_checked():
     env = {"DSPINE_TOP_K_SPLIT": "0", "DSPINE_CHAIN_WALK": "steps", "DSPINE_RPA_COMBINE":
            "kernel", "DSPINE_WARP_THRESHOLD": "pallas", "DSPINE_WARP_UNFILTERED": "0",
            "DSPINE_TOP_K_GROUPED": "0", "DSPINE_RPA_FUSED_WRITE": "0",
-           "DSPINE_TOP_K_SELECT": "sort", "DSPINE_RPA_PACKED": "0", "DSPINE_RPA_ROPE": "1"}
+           "DSPINE_TOP_K_SELECT": "sort", "DSPINE_RPA_PACKED": "0", "DSPINE_RPA_ROPE": "1",
+           "DSPINE_WARP_WAYS": "64"}
     assert Switches.from_environment(env) == Switches(
         warp_unfiltered=False, warp_threshold="pallas", chain_walk="steps", top_k_grouped=False,
         top_k_split=False, rpa_fused_write=False, rpa_combine="kernel", top_k_select="sort",
-        rpa_packed=False, rpa_rope=True)
+        rpa_packed=False, rpa_rope=True, warp_ways="64")
     assert Switches.from_environment({}) == Switches() == current()
     with pytest.raises(ValueError, match="DSPINE_TOP_K_SPLIT must be 0 or 1"):
         Switches.from_environment({"DSPINE_TOP_K_SPLIT": "no"})
@@ -41,6 +42,8 @@ def test_the_environment_is_read_once_and_checked():
         Switches.from_environment({"DSPINE_WARP_THRESHOLD": "1"})
     with pytest.raises(ValueError, match="DSPINE_TOP_K_SELECT"):
         Switches.from_environment({"DSPINE_TOP_K_SELECT": "heap"})
+    with pytest.raises(ValueError, match="DSPINE_WARP_WAYS"):
+        Switches.from_environment({"DSPINE_WARP_WAYS": "24"})
 
 
 def test_a_decoder_keeps_the_switches_it_was_built_with(monkeypatch):

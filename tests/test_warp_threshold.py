@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.warp_threshold import IMPLEMENTATIONS, warp_threshold
+from pallas_kernels.warp_threshold.search import candidates, narrow, rounds
 
 
 def numpy_kept(x: np.ndarray, k: np.ndarray, top_p: np.ndarray):
@@ -29,9 +30,9 @@ def numpy_kept(x: np.ndarray, k: np.ndarray, top_p: np.ndarray):
     return kept, before
 
 
-def check(implementation, x, k, top_p, *, interpret=True, tolerance=1e-5):
+def check(implementation, x, k, top_p, *, ways=16, interpret=True, tolerance=1e-5):
     tau = warp_threshold(jnp.asarray(x), jnp.asarray(k), jnp.asarray(top_p),
-                         implementation=implementation,
+                         implementation=implementation, ways=ways,
                          interpret=interpret and implementation == "pallas_gpu")
     got = np.asarray(x) >= np.asarray(tau)[:, None]
     want, before = numpy_kept(np.asarray(x), k, top_p)
@@ -65,11 +66,18 @@ def cases(seed=0):
     yield "short_rows", small, np.array([37, 1, 5, 37, 36, 2, 37, 10], np.int32), top_p
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+# (implementation, candidates per round): the default 16, and more and fewer ways, whose
+# rounds split intervals unevenly (2: 32 rounds; 64: 6 rounds of 6 bits for 32; 256: 4).
+VARIANTS = [("sort", 16), ("search", 16), ("search", 2), ("search", 64), ("search", 256),
+            ("pallas_gpu", 16), ("pallas_gpu", 64)]
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"{v[0]}-{v[1]}")
 @pytest.mark.parametrize("case", list(cases()), ids=lambda c: c[0])
-def test_kept_set_matches_the_float64_sort(implementation, case):
+def test_kept_set_matches_the_float64_sort(variant, case):
     _, x, k, top_p = case
-    got = check(implementation, x, k, top_p)
+    implementation, ways = variant
+    got = check(implementation, x, k, top_p, ways=ways)
     assert got.any(axis=1).all()                       # every row keeps a token
     np.testing.assert_array_equal(got.sum(1) >= 1, True)
 
@@ -82,6 +90,18 @@ def test_searches_agree_with_each_other_exactly():
     np.testing.assert_array_equal(
         warp_threshold(*args, implementation="search"),
         warp_threshold(*args, implementation="pallas_gpu", interpret=True))
+
+
+def test_rounds_close_any_int32_interval():
+    assert [rounds(w) for w in (2, 4, 16, 64, 256)] == [32, 16, 8, 6, 4]
+    for ways in (16, 64):
+        lo, hi = jnp.int32(-2**31), jnp.int32(2**31 - 1)   # the widest interval
+        for _ in range(rounds(ways)):
+            cand = candidates(lo, hi, ways)
+            lo, hi = narrow(cand, cand <= 12345, hi)         # the largest key <= 12345
+        assert int(lo) == 12345 and int(hi) == 12345
+    with pytest.raises(ValueError, match="power of two"):
+        rounds(24)
 
 
 def test_bad_input_is_named():
@@ -108,13 +128,15 @@ def test_gpu_kernel_compiled():
     if jax.default_backend() != "gpu":
         pytest.skip(f"needs a CUDA GPU; JAX backend here is {jax.default_backend()!r}")
     for _, x, k, top_p in cases(2):
-        check("pallas_gpu", x, k, top_p, interpret=False)
+        for ways in (16, 64):
+            check("pallas_gpu", x, k, top_p, ways=ways, interpret=False)
     rng = np.random.default_rng(3)
     for rows, vocab in ((15, 49152), (128, 151936)):
         x = (rng.standard_normal((rows, vocab)) * 4).astype(np.float32)
         k = rng.choice([vocab, 50, 2000], rows).astype(np.int32)
         top_p = rng.choice([0.9, 0.5, 1.0], rows).astype(np.float32)
-        check("pallas_gpu", x, k, top_p, interpret=False)
+        for ways in (16, 64):
+            check("pallas_gpu", x, k, top_p, ways=ways, interpret=False)
 
 
 def test_rows_benchmark_times_every_implementation(tmp_path):

@@ -23,20 +23,22 @@ import jax
 import jax.numpy as jnp
 
 from .reference import warp_threshold_reference
-from .search import search_threshold
+from .search import WAYS, search_threshold
 
 __all__ = ["warp_threshold", "warp_threshold_reference", "IMPLEMENTATIONS"]
 
 IMPLEMENTATIONS = ("sort", "search", "pallas_gpu")
 
 
-@functools.partial(jax.jit, static_argnames=("implementation", "interpret"))
-def warp_threshold(scaled, k, top_p, *, implementation="sort", interpret=False):
+@functools.partial(jax.jit, static_argnames=("implementation", "ways", "interpret"))
+def warp_threshold(scaled, k, top_p, *, implementation="sort", ways=WAYS, interpret=False):
     """Args:
       scaled: [R, V] float32 temperature-scaled logits.
       k: [R] integer, 1..V (V: no top-k).
       top_p: [R] float32 in (0, 1] (>= 1: no top-p).
       implementation: one of IMPLEMENTATIONS.
+      ways: the searches' candidates per round, a power of two (search.py; the sort
+        ignores it).
       interpret: run the Pallas kernel in interpret mode (CPU tests).
 
     Returns: tau [R] float32, each row's smallest kept value.
@@ -53,6 +55,6 @@ def warp_threshold(scaled, k, top_p, *, implementation="sort", interpret=False):
     if implementation == "sort":
         return warp_threshold_reference(scaled, k, top_p)
     if implementation == "search":
-        return search_threshold(scaled, k, top_p)
+        return search_threshold(scaled, k, top_p, ways=ways)
     from .gpu import warp_threshold_gpu
-    return warp_threshold_gpu(scaled, k, top_p, interpret=interpret)
+    return warp_threshold_gpu(scaled, k, top_p, ways=ways, interpret=interpret)

@@ -1,16 +1,16 @@
 """The threshold search's rounds for NVIDIA GPUs, written with Pallas's Triton lowering.
 
-R rows, V vocab, W = WAYS candidates, S vocabulary splits, BV vocabulary tile.
+R rows, V vocab, W candidates per round, S vocabulary splits, BV vocabulary tile.
 
-`search.search_threshold` runs 2 x ROUNDS rounds, each one reduction over the vocabulary
-against W candidates per row. In XLA that reduction reads the row once per candidate. Here
-one launch per round does it: program (r, s) streams its share of row r in BV-wide tiles
-and compares each tile against the W candidates at once, accumulating a [W, BV] count or
-mass in registers and reducing it across lanes once at the end, so the row is read once
-per round and no [R, W, V] intermediate exists. The S splits keep the GPU busy when R
-is small (a batch-1 verify has 16 rows); XLA sums the [R, S, W] partials and narrows the
-interval. Rows whose search is not needed (no top-k, or a kept set down to t_k) return
-zeros without reading.
+`search.search_threshold` runs 2 x rounds(W) rounds, each one reduction over the
+vocabulary against W candidates per row. In XLA that reduction reads the row once per
+candidate. Here one launch per round does it: program (r, s) streams its share of row r
+in BV-wide tiles and compares each tile against the W candidates at once, accumulating a
+[W, BV] count or mass in registers and reducing it across lanes once at the end, so the
+row is read once per round and no [R, W, V] intermediate exists. The S splits keep the
+GPU busy when R is small (a batch-1 verify has 16 rows); XLA sums the [R, S, W] partials
+and narrows the interval. Rows whose search is not needed (no top-k, or a kept set down
+to t_k) return zeros without reading.
 
 Compiled and timed only where a CUDA GPU is present (tests marked `gpu`); elsewhere the
 tests run it in Pallas interpret mode.
@@ -29,7 +29,9 @@ from jax.experimental.pallas import triton as pltriton
 from ..platform import multiprocessors
 from .search import WAYS, ordered_key, search_threshold
 
-BLOCK_V = 1024
+# A program's [W, BV] accumulator holds ACCUMULATOR entries (64 registers a thread at 8
+# warps): BV = ACCUMULATOR // W.
+ACCUMULATOR = 16 * 1024
 NUM_WARPS = 8
 NUM_STAGES = 2
 PROGRAMS_PER_MULTIPROCESSOR = 2
@@ -42,6 +44,7 @@ def _round_kernel(x_ref, cand_ref, top_ref, active_ref, out_ref, *, kind, vocab,
     last = jnp.minimum(n_tiles, first + tiles_per_split)
     lanes = lax.broadcasted_iota(jnp.int32, (block_v,), 0)
     cand = cand_ref[r, :][:, None]                                     # [W, 1]
+    ways = cand.shape[0]
     top = top_ref[r]
 
     def tile(t, acc):
@@ -57,10 +60,10 @@ def _round_kernel(x_ref, cand_ref, top_ref, active_ref, out_ref, *, kind, vocab,
     dtype = jnp.int32 if kind == "count_ge" else jnp.float32
 
     def reduce():
-        acc = lax.fori_loop(first, last, tile, jnp.zeros((WAYS, block_v), dtype))
+        acc = lax.fori_loop(first, last, tile, jnp.zeros((ways, block_v), dtype))
         return jnp.sum(acc, axis=1)
 
-    out_ref[...] = lax.cond(active_ref[r] > 0, reduce, lambda: jnp.zeros((WAYS,), dtype))
+    out_ref[...] = lax.cond(active_ref[r] > 0, reduce, lambda: jnp.zeros((ways,), dtype))
 
 
 def _num_splits(rows: int, n_tiles: int) -> int:
@@ -69,10 +72,11 @@ def _num_splits(rows: int, n_tiles: int) -> int:
     return max(1, min(n_tiles, want))
 
 
-def gpu_round_stat(keys, scaled, top, *, interpret=False, block_v=BLOCK_V):
+def gpu_round_stat(keys, scaled, top, *, ways=WAYS, interpret=False):
     """`search_threshold`'s round reduction as one Pallas launch per round."""
     del keys                                   # each tile's keys are recomputed in registers
     rows, vocab = scaled.shape
+    block_v = ACCUMULATOR // ways
     n_tiles = pl.cdiv(vocab, block_v)
     num_splits = _num_splits(rows, n_tiles)
     tiles_per_split = pl.cdiv(n_tiles, num_splits)
@@ -86,8 +90,8 @@ def gpu_round_stat(keys, scaled, top, *, interpret=False, block_v=BLOCK_V):
             kernel,
             grid=(rows, num_splits),
             in_specs=[pl.no_block_spec] * 4,
-            out_specs=pl.BlockSpec((None, None, WAYS), lambda r, s: (r, s, 0)),
-            out_shape=jax.ShapeDtypeStruct((rows, num_splits, WAYS), dtype),
+            out_specs=pl.BlockSpec((None, None, ways), lambda r, s: (r, s, 0)),
+            out_shape=jax.ShapeDtypeStruct((rows, num_splits, ways), dtype),
             compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS,
                                                     num_stages=NUM_STAGES),
             interpret=interpret,
@@ -97,8 +101,8 @@ def gpu_round_stat(keys, scaled, top, *, interpret=False, block_v=BLOCK_V):
     return stat
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def warp_threshold_gpu(scaled, k, top_p, *, interpret=False):
+@functools.partial(jax.jit, static_argnames=("ways", "interpret"))
+def warp_threshold_gpu(scaled, k, top_p, *, ways=WAYS, interpret=False):
     """scaled [R, V] float32, k [R] int32, top_p [R] float32 -> tau [R] float32."""
-    return search_threshold(scaled, k, top_p, round_stat=functools.partial(
-        gpu_round_stat, interpret=interpret))
+    return search_threshold(scaled, k, top_p, ways=ways, round_stat=functools.partial(
+        gpu_round_stat, ways=ways, interpret=interpret))

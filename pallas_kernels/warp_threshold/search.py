@@ -10,10 +10,12 @@ monotone predicate (true, then false) holds:
    largest key t in [t_k, max] whose higher entries hold at least top_p * z. The kept set
    is the entries above it (one past it, in key order), or down to t_k when even t_k's
    higher entries hold less (and always when top_p >= 1).
-Each search is ROUNDS rounds of a WAYS-way split of [lo, hi]: the candidates
-lo + min(j * step, width), j < WAYS, step = width // WAYS + 1, keep the largest true one
-and the interval below the smallest false one; 8 rounds of 16 ways close any int32
-interval. Masked sums round differently from the sort's cumsum: a token whose mass-before
+Each search is rounds(W) rounds of a W-way split of [lo, hi] (W a power of two, WAYS by
+default): the candidates lo + min(j * step, width), j < W, step = width // W + 1, keep
+the largest true one and the interval below the smallest false one; a round divides the
+width by W, so 32 / log2(W) rounds (8 of 16 ways, 6 of 64) close any int32 interval.
+More ways: fewer rounds (launches, on a GPU), more compares per entry in each. Masked
+sums round differently from the sort's cumsum: a token whose mass-before
 lies within float32 rounding of top_p can fall either side.
 
 Keys are int32 bit patterns: x's float bits, the magnitude bits flipped for negative x,
@@ -29,8 +31,15 @@ import jax.numpy as jnp
 from jax import lax
 
 WAYS = 16
-ROUNDS = 8            # 16^8 = 2^32: any int32 interval
 _SIGN = -2**31
+
+
+def rounds(ways: int) -> int:
+    """Rounds of a `ways`-way split that close any int32 interval (ways**rounds >= 2**32)."""
+    bits = ways.bit_length() - 1
+    if ways < 2 or ways != 1 << bits:
+        raise ValueError(f"ways must be a power of two >= 2, got {ways}")
+    return -(-32 // bits)
 
 
 def ordered_key(x: jax.Array) -> jax.Array:
@@ -49,19 +58,20 @@ def unsigned_less(a: jax.Array, b: jax.Array) -> jax.Array:
     return (a ^ _SIGN) < (b ^ _SIGN)
 
 
-def candidates(lo: jax.Array, hi: jax.Array) -> jax.Array:
-    """[..., WAYS] keys splitting [lo, hi] ([...] each), candidate 0 = lo."""
+def candidates(lo: jax.Array, hi: jax.Array, ways: int = WAYS) -> jax.Array:
+    """[..., ways] keys splitting [lo, hi] ([...] each), candidate 0 = lo."""
+    bits = ways.bit_length() - 1
     width = hi - lo                                            # uint32 bits: hi >= lo
-    step = lax.shift_right_logical(width, 4) + 1               # width // 16 + 1 <= 2^28
-    offset = jnp.arange(WAYS, dtype=jnp.int32) * step[..., None]   # < 2^32: fits uint32
+    step = lax.shift_right_logical(width, bits) + 1            # width // W + 1 <= 2^(32-b)
+    offset = jnp.arange(ways, dtype=jnp.int32) * step[..., None]   # < 2^32: fits uint32
     width = width[..., None]
     return lo[..., None] + jnp.where(unsigned_less(offset, width), offset, width)
 
 
 def narrow(cand: jax.Array, ok: jax.Array, hi: jax.Array):
-    """The next round's (lo, hi) from candidates [..., WAYS] and the predicate at each
+    """The next round's (lo, hi) from candidates [..., W] and the predicate at each
     (candidate 0, the current lo, counts as true)."""
-    ok = ok | (jnp.arange(WAYS) == 0)
+    ok = ok | (jnp.arange(cand.shape[-1]) == 0)
     lo = jnp.max(jnp.where(ok, cand, jnp.iinfo(jnp.int32).min), -1)
     hi = jnp.min(jnp.where(ok, hi[..., None], cand - 1), -1)
     return lo, hi
@@ -80,7 +90,7 @@ def xla_round_stat(keys: jax.Array, e: jax.Array):
 
 
 def search_threshold(scaled: jax.Array, k: jax.Array, top_p: jax.Array,
-                     round_stat=None) -> jax.Array:
+                     round_stat=None, ways: int = WAYS) -> jax.Array:
     """The rule above, no sort and no data-dependent control flow.
     scaled [R, V] float32, k [R] int32 in 1..V, top_p [R] -> tau [R] float32.
 
@@ -88,7 +98,7 @@ def search_threshold(scaled: jax.Array, k: jax.Array, top_p: jax.Array,
     stat("count_ge", cand, active) the entries at or above each candidate, and
     stat("mass_gt", cand, active) the sum of exp(x - top) over the entries above each; it
     may return zeros for rows where active is false (their search is not needed).
-    Default: `xla_round_stat`."""
+    Default: `xla_round_stat`. ways: candidates per round (a power of two)."""
     vocab = scaled.shape[-1]
     keys = ordered_key(scaled)                                         # [R, V]
     lo, hi = jnp.min(keys, -1), jnp.max(keys, -1)
@@ -97,8 +107,8 @@ def search_threshold(scaled: jax.Array, k: jax.Array, top_p: jax.Array,
     stat = round_stat(keys, scaled, top) if round_stat else xla_round_stat(keys, e)
 
     def largest_where(pred, lo, hi):
-        for _ in range(ROUNDS):
-            cand = candidates(lo, hi)                                  # [R, W]
+        for _ in range(rounds(ways)):
+            cand = candidates(lo, hi, ways)                            # [R, W]
             lo, hi = narrow(cand, pred(cand), hi)
         return lo
 
