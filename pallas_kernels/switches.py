@@ -11,14 +11,13 @@ until a new decoder is built. Outside any decoder, `current()` is the defaults.
   field              variable                 values (default first)
   warp_unfiltered    DSPINE_WARP_UNFILTERED   1 | 0   sampled batches without top-p/top-k
                                                       skip the vocabulary threshold
-  warp_threshold     DSPINE_WARP_THRESHOLD    sort | search | pallas   how the GPU
-                                                      warp finds its top-p/top-k
+  warp_threshold     DSPINE_WARP_THRESHOLD    auto | sort | search | pallas   how
+                                                      the GPU warp finds its top-p/top-k
                                                       threshold: a sort of each row, the
                                                       sort-free search in XLA, or the
-                                                      search in a Pallas kernel
-  warp_ways          DSPINE_WARP_WAYS         16 | 64   the searches' candidates per
-                                                      round (64: 12 rounds, not 16, with
-                                                      4x the compares in each)
+                                                      search in a Pallas kernel; auto:
+                                                      the kernel from 16 rows (a verify),
+                                                      the sort below
   chain_walk         DSPINE_CHAIN_WALK        auto | all | steps   how a sampled DSpine
                                                       chain is walked
   top_k_grouped      DSPINE_TOP_K_GROUPED     1 | 0   the grouped top-k on GPUs
@@ -51,8 +50,7 @@ from typing import Iterator, Mapping
 CHAIN_WALKS = ("auto", "all", "steps")
 COMBINES = ("unrolled", "xla", "kernel")
 TOP_K_SELECTS = ("sort", "topk")
-WARP_THRESHOLDS = ("sort", "search", "pallas")
-WARP_WAYS = ("16", "64")
+WARP_THRESHOLDS = ("auto", "sort", "search", "pallas")
 FLAGS = {"warp_unfiltered": ("DSPINE_WARP_UNFILTERED", True),
          "top_k_grouped": ("DSPINE_TOP_K_GROUPED", True),
          "top_k_split": ("DSPINE_TOP_K_SPLIT", True),
@@ -60,7 +58,6 @@ FLAGS = {"warp_unfiltered": ("DSPINE_WARP_UNFILTERED", True),
          "rpa_packed": ("DSPINE_RPA_PACKED", True),
          "rpa_rope": ("DSPINE_RPA_ROPE", False)}
 CHOICES = {"warp_threshold": ("DSPINE_WARP_THRESHOLD", WARP_THRESHOLDS),
-           "warp_ways": ("DSPINE_WARP_WAYS", WARP_WAYS),
            "chain_walk": ("DSPINE_CHAIN_WALK", CHAIN_WALKS),
            "rpa_combine": ("DSPINE_RPA_COMBINE", COMBINES),
            "top_k_select": ("DSPINE_TOP_K_SELECT", TOP_K_SELECTS)}
@@ -69,8 +66,7 @@ CHOICES = {"warp_threshold": ("DSPINE_WARP_THRESHOLD", WARP_THRESHOLDS),
 @dataclasses.dataclass(frozen=True)
 class Switches:
     warp_unfiltered: bool = True
-    warp_threshold: str = "sort"
-    warp_ways: str = "16"
+    warp_threshold: str = "auto"
     chain_walk: str = "auto"
     top_k_grouped: bool = True
     top_k_split: bool = True

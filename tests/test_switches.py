@@ -27,12 +27,11 @@ def test_the_environment_is_read_once_and_checked():
     env = {"DSPINE_TOP_K_SPLIT": "0", "DSPINE_CHAIN_WALK": "steps", "DSPINE_RPA_COMBINE":
            "kernel", "DSPINE_WARP_THRESHOLD": "pallas", "DSPINE_WARP_UNFILTERED": "0",
            "DSPINE_TOP_K_GROUPED": "0", "DSPINE_RPA_FUSED_WRITE": "0",
-           "DSPINE_TOP_K_SELECT": "sort", "DSPINE_RPA_PACKED": "0", "DSPINE_RPA_ROPE": "1",
-           "DSPINE_WARP_WAYS": "64"}
+           "DSPINE_TOP_K_SELECT": "sort", "DSPINE_RPA_PACKED": "0", "DSPINE_RPA_ROPE": "1"}
     assert Switches.from_environment(env) == Switches(
         warp_unfiltered=False, warp_threshold="pallas", chain_walk="steps", top_k_grouped=False,
         top_k_split=False, rpa_fused_write=False, rpa_combine="kernel", top_k_select="sort",
-        rpa_packed=False, rpa_rope=True, warp_ways="64")
+        rpa_packed=False, rpa_rope=True)
     assert Switches.from_environment({}) == Switches() == current()
     with pytest.raises(ValueError, match="DSPINE_TOP_K_SPLIT must be 0 or 1"):
         Switches.from_environment({"DSPINE_TOP_K_SPLIT": "no"})
@@ -42,8 +41,6 @@ def test_the_environment_is_read_once_and_checked():
         Switches.from_environment({"DSPINE_WARP_THRESHOLD": "1"})
     with pytest.raises(ValueError, match="DSPINE_TOP_K_SELECT"):
         Switches.from_environment({"DSPINE_TOP_K_SELECT": "heap"})
-    with pytest.raises(ValueError, match="DSPINE_WARP_WAYS"):
-        Switches.from_environment({"DSPINE_WARP_WAYS": "24"})
 
 
 def test_a_decoder_keeps_the_switches_it_was_built_with(monkeypatch):
@@ -156,3 +153,17 @@ def test_packed_switches_choose_what_the_kernel_is_given(monkeypatch):
     assert calls == [(True, True), (True, False), (False, False)]
     for out in outs[1:]:
         np.testing.assert_allclose(out, outs[0], rtol=1e-5, atol=1e-5)
+
+
+def test_warp_threshold_auto_sorts_a_few_rows_and_searches_a_verifys():
+    """The default searches with the kernel from a verify's 16 rows and sorts an AR step's
+    few; a named implementation holds at every row count."""
+    from dspine_jax.sampling import KERNEL_MIN_ROWS, gpu_threshold_implementation
+
+    assert Switches().warp_threshold == "auto" and KERNEL_MIN_ROWS == 16
+    assert [gpu_threshold_implementation(r) for r in (1, 8, 15, 16, 128)] == \
+        ["sort"] * 3 + ["pallas_gpu"] * 2
+    for choice, implementation in (("sort", "sort"), ("search", "search"),
+                                   ("pallas", "pallas_gpu")):
+        with Switches(warp_threshold=choice).active():
+            assert {gpu_threshold_implementation(r) for r in (1, 128)} == {implementation}

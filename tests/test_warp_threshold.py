@@ -157,3 +157,15 @@ def test_rows_benchmark_times_every_implementation(tmp_path):
     if jax.default_backend() != "gpu":
         with pytest.raises(SystemExit):
             warp_threshold_rows.main(["--rows", "16", "--vocab", "3000"])
+
+
+def test_rows_benchmark_tolerates_rounding_only():
+    """The benchmark's check passes two thresholds apart by a token at the top-p boundary
+    (within rounding) and fails them apart by any other token."""
+    from dspine_benchmarks.warp_threshold_rows import rounding_only
+
+    x = np.float32([[4.0, 3.0, 2.0, 1.0]])
+    vals = np.exp(np.float64([4.0, 3.0, 2.0, 1.0]) - 4)
+    top_p = float(np.float32(vals[:2].sum() / vals.sum()))      # token 2's mass-before
+    assert rounding_only(x, np.float32([2.0]), np.float32([3.0]), 4, top_p)
+    assert not rounding_only(x, np.float32([1.0]), np.float32([3.0]), 4, top_p)
