@@ -3,7 +3,7 @@
 `warp_threshold(scaled, k, top_p)`: for temperature-scaled logits [R, V] with per-row
 k (V: no top-k) and top_p (1: no top-p), tau [R] such that the warp keeps exactly the
 entries >= tau: reference.py's sort of each row is the definition. Implementations:
-  "sort"        reference.py (XLA's sort of every row; what a GPU ran before),
+  "sort"        reference.py (XLA's sort of every row; a GPU's warp below 16 rows),
   "search"      search.py's two searches in plain JAX, branch-free,
   "pallas_gpu"  the same searches, each round one Pallas (Triton lowering) launch split
                 over rows and vocabulary (gpu.py) that reads each row once, no
