@@ -5,8 +5,9 @@ side.
     python -m dspine_benchmarks.warp_threshold_rows --rows 16 --vocab 4096 --iters 2 \
         --implementations sort search pallas_gpu --interpret                         # CPU smoke
 
-The rows are a verify's (one per verified position: batch x 16; 16, 128 and 512 for
-batch 1, 8 and 32) over SmolLM2's and Qwen3's vocabularies, float32 logits scaled as at
+The rows are an AR step's (one per batch row: 1 and 8) and a verify's (one per verified
+position: batch x 16; 16, 128 and 512 for batch 1, 8 and 32), where the GPU warp's `auto`
+choice sorts below 16 rows and searches from 16, over SmolLM2's and Qwen3's vocabularies, float32 logits scaled as at
 temperature 0.8, top-p 0.9 (`--top-k` adds a top-k to every row). Each implementation runs
 `--iters` times in one compiled loop (each iteration's input depends on the last result,
 so nothing is hoisted); the figure is the median over `--repeats` of (loop time / iters),
@@ -65,7 +66,7 @@ def looped(fn, iters: int):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, nargs="+", default=[16, 128, 512])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 128, 512])
     p.add_argument("--vocab", type=int, nargs="+", default=[49152, 151936])
     p.add_argument("--implementations", nargs="+", choices=IMPLEMENTATIONS,
                    default=list(IMPLEMENTATIONS))
