@@ -72,17 +72,24 @@ def _num_splits(rows: int, n_tiles: int) -> int:
     return max(1, min(n_tiles, want))
 
 
-def gpu_round_stat(keys, scaled, top, *, ways=WAYS, interpret=False):
-    """`search_threshold`'s round reduction as one Pallas launch per round."""
-    del keys                                   # each tile's keys are recomputed in registers
-    rows, vocab = scaled.shape
+def _tiling(rows: int, vocab: int, ways: int):
+    """(block_v, tiles_per_split, num_splits, n_tiles) of a round over [rows, vocab]
+    against `ways` candidates a row."""
     block_v = ACCUMULATOR // ways
     n_tiles = pl.cdiv(vocab, block_v)
-    num_splits = _num_splits(rows, n_tiles)
-    tiles_per_split = pl.cdiv(n_tiles, num_splits)
-    num_splits = pl.cdiv(n_tiles, tiles_per_split)
+    tiles_per_split = pl.cdiv(n_tiles, _num_splits(rows, n_tiles))
+    return block_v, tiles_per_split, pl.cdiv(n_tiles, tiles_per_split), n_tiles
+
+
+def gpu_round_stat(keys, scaled, top, *, interpret=False):
+    """`search_threshold`'s round reduction as one Pallas launch per round; the tiles
+    follow the candidates' count (W = cand's last axis)."""
+    del keys                                   # each tile's keys are recomputed in registers
+    rows, vocab = scaled.shape
 
     def stat(kind, cand, active):
+        ways = cand.shape[-1]
+        block_v, tiles_per_split, num_splits, n_tiles = _tiling(rows, vocab, ways)
         dtype = jnp.int32 if kind == "count_ge" else jnp.float32
         kernel = functools.partial(_round_kernel, kind=kind, vocab=vocab, block_v=block_v,
                                    tiles_per_split=tiles_per_split, n_tiles=n_tiles)
@@ -105,4 +112,4 @@ def gpu_round_stat(keys, scaled, top, *, ways=WAYS, interpret=False):
 def warp_threshold_gpu(scaled, k, top_p, *, ways=WAYS, interpret=False):
     """scaled [R, V] float32, k [R] int32, top_p [R] float32 -> tau [R] float32."""
     return search_threshold(scaled, k, top_p, ways=ways, round_stat=functools.partial(
-        gpu_round_stat, ways=ways, interpret=interpret))
+        gpu_round_stat, interpret=interpret))

@@ -34,12 +34,17 @@ WAYS = 16
 _SIGN = -2**31
 
 
-def rounds(ways: int) -> int:
-    """Rounds of a `ways`-way split that close any int32 interval (ways**rounds >= 2**32)."""
+def _bits(ways: int) -> int:
+    """log2(ways), for a power of two >= 2."""
     bits = ways.bit_length() - 1
     if ways < 2 or ways != 1 << bits:
         raise ValueError(f"ways must be a power of two >= 2, got {ways}")
-    return -(-32 // bits)
+    return bits
+
+
+def rounds(ways: int) -> int:
+    """Rounds of a `ways`-way split that close any int32 interval (ways**rounds >= 2**32)."""
+    return -(-32 // _bits(ways))
 
 
 def ordered_key(x: jax.Array) -> jax.Array:
@@ -60,9 +65,8 @@ def unsigned_less(a: jax.Array, b: jax.Array) -> jax.Array:
 
 def candidates(lo: jax.Array, hi: jax.Array, ways: int = WAYS) -> jax.Array:
     """[..., ways] keys splitting [lo, hi] ([...] each), candidate 0 = lo."""
-    bits = ways.bit_length() - 1
     width = hi - lo                                            # uint32 bits: hi >= lo
-    step = lax.shift_right_logical(width, bits) + 1            # width // W + 1 <= 2^(32-b)
+    step = lax.shift_right_logical(width, _bits(ways)) + 1     # width // W + 1 <= 2^(32-b)
     offset = jnp.arange(ways, dtype=jnp.int32) * step[..., None]   # < 2^32: fits uint32
     width = width[..., None]
     return lo[..., None] + jnp.where(unsigned_less(offset, width), offset, width)
