@@ -120,3 +120,34 @@ def test_loss_kernels_cpu_run_times_every_variant_and_they_agree(tmp_path):
     assert {(r["variant"], r["backward"]) for r in rows} == {
         (v, b) for v in ("dense", "xla:1024", "pallas_gpu") for b in (False, True)}
     assert all(r["shape"] == "tiny" and r["us"] > 0 and r["rel_diff"] < 1e-5 for r in rows)
+
+
+def test_verify_gemms_products_and_rows(tmp_path):
+    """benchmarks/verify_gemms.py: the fused projections of Qwen3-8B's layer, every path's
+    product against float64 numpy, and one JSON row per product, rows and path."""
+    import jax
+    import jax.numpy as jnp
+
+    from dspine_benchmarks import verify_gemms
+    from dspine_jax.config import PRESETS
+
+    assert verify_gemms.projections(PRESETS["qwen3-8b"]) == [
+        ("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096),
+        ("down", 4096, 12288), ("lm_head", 151936, 4096)]
+    x = jax.random.normal(jax.random.key(0), (5, 64), jnp.float32)
+    w = jax.random.normal(jax.random.key(1), (24, 64), jnp.float32)
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    for path in ("xla", "split-k2", "split-k4"):
+        got = np.asarray(verify_gemms.product(path)(x, w), np.float64)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=path)
+
+    out = tmp_path / "gemms.jsonl"
+    verify_gemms.main(["--target", "preset:smollm2-135m", "--rows", "2", "--only", "o",
+                       "--paths", "xla", "split-k2", "--layers", "2", "--repeats", "1",
+                       "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["product"], r["rows"], r["path"]) for r in rows] == [
+        ("o", 2, "xla"), ("o", 2, "split-k2")]
+    assert all(r["us"] > 0 and r["relative_error"] < 2e-2 for r in rows)
+    with pytest.raises(SystemExit, match="split-kS"):
+        verify_gemms.main(["--paths", "split-kx"])
