@@ -16,12 +16,15 @@ Each product runs `--layers` times in one compiled scan over that many distinct 
 or its Triton GEMMs) and `split-kS` (K split in S slices, one batched product over the
 slices accumulated in float32 and summed: S times the tiles of a short-M product, for
 products whose columns alone do not fill the GPU's multiprocessors). Every path is
-checked against the float32 product before timing.
+checked against the float32 product before timing. `pallas` runs
+`pallas_kernels.split_k_matmul` with its default tiling, `pallas-sS` with S splits
+(GPU only; `--interpret` runs it in Pallas interpret mode, for the tests).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import statistics
@@ -41,10 +44,19 @@ def projections(config) -> list[tuple[str, int, int]]:
             ("gate_up", 2 * f, d), ("down", d, f), ("lm_head", config.vocab_size, d)]
 
 
-def product(path: str):
+def product(path: str, interpret: bool = False):
     """x [M, K], w [N, K] -> [M, N] in x's dtype."""
     if path == "xla":
         return lambda x, w: jnp.einsum("mk,nk->mn", x, w)
+    if path.startswith("pallas"):
+        from pallas_kernels.split_k_matmul import default_tiling, split_k_matmul
+
+        def pallas(x, w):
+            tiling = default_tiling(x.shape[0], w.shape[0], x.shape[1])
+            if path != "pallas":
+                tiling = dataclasses.replace(tiling, splits=int(path.removeprefix("pallas-s")))
+            return split_k_matmul(x, w, tiling, interpret=interpret)
+        return pallas
     slices = int(path.removeprefix("split-k"))
 
     def split(x, w):
@@ -54,6 +66,19 @@ def product(path: str):
                            preferred_element_type=jnp.float32)
         return parts.sum(0).astype(x.dtype)
     return split
+
+
+def pallas_fits(path: str, m: int, n: int, k: int) -> bool:
+    from pallas_kernels.split_k_matmul import check_shapes, default_tiling
+
+    tiling = default_tiling(m, n, k)
+    if path != "pallas":
+        tiling = dataclasses.replace(tiling, splits=int(path.removeprefix("pallas-s")))
+    try:
+        check_shapes(m, n, k, tiling)
+    except ValueError:
+        return False
+    return True
 
 
 def scanned(fn):
@@ -103,6 +128,7 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=8, help="distinct weights per scan")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--interpret", action="store_true", help="Pallas paths in interpret mode")
     p.add_argument("--out", default=None, help="append one JSON line per product, rows, path")
     return p.parse_args(argv)
 
@@ -115,9 +141,11 @@ def main(argv=None):
     if name not in PRESETS:
         raise SystemExit(f"--target: no preset {name!r}; presets: {', '.join(sorted(PRESETS))}")
     for path in args.paths:
-        if path != "xla" and not (path.startswith("split-k") and
-                                  path.removeprefix("split-k").isdigit()):
-            raise SystemExit(f"--paths: {path!r} is neither xla nor split-kS (S an integer)")
+        if not (path in ("xla", "pallas") or
+                any(path.startswith(p) and path.removeprefix(p).isdigit()
+                    for p in ("split-k", "pallas-s"))):
+            raise SystemExit(f"--paths: {path!r} is none of xla, split-kS, pallas, pallas-sS "
+                             "(S an integer)")
     config = PRESETS[name]
     shapes = [s for s in projections(config) if args.only is None or s[0] in args.only]
     dtype = jnp.dtype(args.dtype)
@@ -133,10 +161,11 @@ def main(argv=None):
         for m in args.rows:
             x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(dtype)
             for path in args.paths:
-                slices = 1 if path == "xla" else int(path.removeprefix("split-k"))
-                if k % slices:
+                slices = (int(path.removeprefix("split-k")) if path.startswith("split-k")
+                          else 1)
+                if k % slices or (path.startswith("pallas") and not pallas_fits(path, m, n, k)):
                     continue
-                fn = product(path)
+                fn = product(path, args.interpret)
                 error = check(fn, x, weights[0])
                 if error > 2e-2:
                     raise SystemExit(f"{label} rows {m} {path}: relative error {error:.3g}")
