@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -56,8 +57,23 @@ class Linear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.einsum("...i,oi->...o", x, self.weight[...])
+        y = project(x, self.weight[...])
         return y if self.bias is None else y + self.bias[...]
+
+
+def project(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """x [..., in] @ weight [out, in]^T. XLA's product, or under the `verify_gemm` switch
+    on a CUDA GPU `split_k_matmul` for 16 to 256 rows (a verify's projections)."""
+    from pallas_kernels.switches import current
+
+    if current().verify_gemm == "pallas" and jax.default_backend() == "gpu":
+        from pallas_kernels.split_k_matmul import MIN_ROWS, fits, split_k_matmul
+
+        rows = math.prod(x.shape[:-1])
+        if rows >= MIN_ROWS and x.dtype == weight.dtype and fits(rows, *weight.shape):
+            y = split_k_matmul(x.reshape(rows, x.shape[-1]), weight)
+            return y.reshape(*x.shape[:-1], weight.shape[0])
+    return jnp.einsum("...i,oi->...o", x, weight)
 
 
 def stacked_linear(*parts: Linear) -> Linear:

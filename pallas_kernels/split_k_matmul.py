@@ -30,6 +30,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from .platform import multiprocessors
 
+MIN_ROWS = 16      # below: an AR step's few rows, XLA's matrix-vector fusions
 MAX_ROWS = 256
 
 
@@ -69,6 +70,15 @@ def check_shapes(m: int, n: int, k: int, tiling: Tiling) -> None:
     if tiling.splits < 1 or k % (tiling.block_k * tiling.splits):
         raise ValueError(f"split_k_matmul: K = {k} does not split into {tiling.splits} "
                          f"slices of whole {tiling.block_k}-wide chunks")
+
+
+def fits(m: int, n: int, k: int) -> bool:
+    """Whether default_tiling(m, n, k) can run an [m, k] x [n, k]^T product."""
+    try:
+        check_shapes(m, n, k, default_tiling(m, n, k))
+    except ValueError:
+        return False
+    return True
 
 
 def _kernel(x_ref, w_ref, out_ref, *, block_m, block_n, block_k, steps):

@@ -37,6 +37,9 @@ until a new decoder is built. Outside any decoder, `current()` is the defaults.
                                                       q and the new keys as it loads them
                                                       (0: the fusion that packs them
                                                       does; 1 is slower on an H100)
+  verify_gemm        DSPINE_VERIFY_GEMM       xla | pallas   a projection of 16 to 256
+                                                      rows on a CUDA GPU (a verify's):
+                                                      XLA's GEMM or split_k_matmul
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ CHAIN_WALKS = ("auto", "all", "steps")
 COMBINES = ("unrolled", "xla", "kernel")
 TOP_K_SELECTS = ("sort", "topk")
 WARP_THRESHOLDS = ("auto", "sort", "search", "pallas")
+VERIFY_GEMMS = ("xla", "pallas")
 FLAGS = {"warp_unfiltered": ("DSPINE_WARP_UNFILTERED", True),
          "top_k_grouped": ("DSPINE_TOP_K_GROUPED", True),
          "top_k_split": ("DSPINE_TOP_K_SPLIT", True),
@@ -60,7 +64,8 @@ FLAGS = {"warp_unfiltered": ("DSPINE_WARP_UNFILTERED", True),
 CHOICES = {"warp_threshold": ("DSPINE_WARP_THRESHOLD", WARP_THRESHOLDS),
            "chain_walk": ("DSPINE_CHAIN_WALK", CHAIN_WALKS),
            "rpa_combine": ("DSPINE_RPA_COMBINE", COMBINES),
-           "top_k_select": ("DSPINE_TOP_K_SELECT", TOP_K_SELECTS)}
+           "top_k_select": ("DSPINE_TOP_K_SELECT", TOP_K_SELECTS),
+           "verify_gemm": ("DSPINE_VERIFY_GEMM", VERIFY_GEMMS)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +80,7 @@ class Switches:
     rpa_combine: str = "unrolled"
     rpa_packed: bool = True
     rpa_rope: bool = False
+    verify_gemm: str = "xla"
 
     def __post_init__(self):
         for name, (variable, allowed) in CHOICES.items():

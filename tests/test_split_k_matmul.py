@@ -95,3 +95,32 @@ def test_gpu_kernel_matches_float64(rows, n, k):
     want = _f64_product(x, w)
     step = np.abs(want) * float(jnp.finfo(jnp.bfloat16).eps)
     assert np.all(np.abs(got - want) <= step + 1e-3)
+
+
+def test_the_verify_gemm_switch_runs_the_kernel_for_verify_rows(monkeypatch):
+    """layers.project under verify_gemm="pallas" (a CUDA backend pretended, the kernel
+    interpreted): 16 to 256 rows go through split_k_matmul and match float64; fewer rows,
+    and every product without the switch, stay XLA's einsum."""
+    from dspine_jax import layers
+    from pallas_kernels import split_k_matmul as module
+    from pallas_kernels.switches import Switches
+
+    calls = []
+    real = module.split_k_matmul
+
+    def interpreted(x, w, tiling=None, interpret=False):
+        calls.append(x.shape)
+        return real(x, w, tiling, interpret=True)
+
+    monkeypatch.setattr(module, "split_k_matmul", interpreted)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    x, w = _operands(32, 256, 128, jnp.float32)
+    x = x.reshape(2, 16, 128)
+    with Switches(verify_gemm="pallas").active():
+        verify = layers.project(x, w)
+        step = layers.project(x[:, :4], w)
+    plain = layers.project(x, w)
+    assert calls == [(32, 128)]
+    want = _f64_product(x.reshape(32, 128), w).reshape(2, 16, 256)
+    for got, ref in ((verify, want), (step, want[:, :4]), (plain, want)):
+        np.testing.assert_allclose(np.asarray(got, np.float64), ref, rtol=1e-5, atol=1e-5)
