@@ -17,8 +17,9 @@ or its Triton GEMMs) and `split-kS` (K split in S slices, one batched product ov
 slices accumulated in float32 and summed: S times the tiles of a short-M product, for
 products whose columns alone do not fill the GPU's multiprocessors). Every path is
 checked against the float32 product before timing. `pallas` runs
-`pallas_kernels.split_k_matmul` with its default tiling, `pallas-sS` with S splits
-(GPU only; `--interpret` runs it in Pallas interpret mode, for the tests).
+`pallas_kernels.split_k_matmul` with its default tiling, and with overrides appended:
+`-sS` S splits, `-nBN` and `-kBK` column and input tiles, `-wW` warps, `-pP` pipeline
+stages (`pallas-s4-k128`). GPU only; `--interpret` runs it in Pallas interpret mode.
 """
 
 from __future__ import annotations
@@ -49,12 +50,10 @@ def product(path: str, interpret: bool = False):
     if path == "xla":
         return lambda x, w: jnp.einsum("mk,nk->mn", x, w)
     if path.startswith("pallas"):
-        from pallas_kernels.split_k_matmul import default_tiling, split_k_matmul
+        from pallas_kernels.split_k_matmul import split_k_matmul
 
         def pallas(x, w):
-            tiling = default_tiling(x.shape[0], w.shape[0], x.shape[1])
-            if path != "pallas":
-                tiling = dataclasses.replace(tiling, splits=int(path.removeprefix("pallas-s")))
+            tiling = pallas_tiling(path, x.shape[0], w.shape[0], x.shape[1])
             return split_k_matmul(x, w, tiling, interpret=interpret)
         return pallas
     slices = int(path.removeprefix("split-k"))
@@ -68,14 +67,35 @@ def product(path: str, interpret: bool = False):
     return split
 
 
-def pallas_fits(path: str, m: int, n: int, k: int) -> bool:
-    from pallas_kernels.split_k_matmul import check_shapes, default_tiling
+OVERRIDES = {"s": "splits", "n": "block_n", "k": "block_k", "w": "num_warps",
+             "p": "num_stages"}
 
-    tiling = default_tiling(m, n, k)
-    if path != "pallas":
-        tiling = dataclasses.replace(tiling, splits=int(path.removeprefix("pallas-s")))
+
+def pallas_overrides(path: str) -> dict | None:
+    """`pallas[-sS][-nBN][-kBK][-wW][-pP]` -> the Tiling fields it sets (None: not such a
+    path)."""
+    parts = path.split("-")
+    if parts[0] != "pallas":
+        return None
+    fields = {}
+    for part in parts[1:]:
+        if part[:1] not in OVERRIDES or not part[1:].isdigit():
+            return None
+        fields[OVERRIDES[part[0]]] = int(part[1:])
+    return fields
+
+
+def pallas_tiling(path: str, m: int, n: int, k: int):
+    from pallas_kernels.split_k_matmul import default_tiling
+
+    return dataclasses.replace(default_tiling(m, n, k), **pallas_overrides(path))
+
+
+def pallas_fits(path: str, m: int, n: int, k: int) -> bool:
+    from pallas_kernels.split_k_matmul import check_shapes
+
     try:
-        check_shapes(m, n, k, tiling)
+        check_shapes(m, n, k, pallas_tiling(path, m, n, k))
     except ValueError:
         return False
     return True
@@ -141,11 +161,10 @@ def main(argv=None):
     if name not in PRESETS:
         raise SystemExit(f"--target: no preset {name!r}; presets: {', '.join(sorted(PRESETS))}")
     for path in args.paths:
-        if not (path in ("xla", "pallas") or
-                any(path.startswith(p) and path.removeprefix(p).isdigit()
-                    for p in ("split-k", "pallas-s"))):
-            raise SystemExit(f"--paths: {path!r} is none of xla, split-kS, pallas, pallas-sS "
-                             "(S an integer)")
+        if not (path == "xla" or pallas_overrides(path) is not None or
+                (path.startswith("split-k") and path.removeprefix("split-k").isdigit())):
+            raise SystemExit(f"--paths: {path!r} is none of xla, split-kS, "
+                             "pallas[-sS][-nBN][-kBK][-wW][-pP] (integers)")
     config = PRESETS[name]
     shapes = [s for s in projections(config) if args.only is None or s[0] in args.only]
     dtype = jnp.dtype(args.dtype)
@@ -153,7 +172,7 @@ def main(argv=None):
     device = jax.devices()[0].device_kind
     print(f"{device}, {args.target}, copy {bandwidth / 1e9:.0f} GB/s, "
           f"{args.layers} weights per scan, median of {args.repeats}")
-    print(f"{'product':8s} {'N x K':>14s} {'rows':>5s} {'path':>9s} {'us':>9s} "
+    print(f"{'product':8s} {'N x K':>14s} {'rows':>5s} {'path':>20s} {'us':>9s} "
           f"{'GB/s':>7s} {'% copy':>7s} {'TFLOP/s':>8s}")
     key = jax.random.key(0)
     for label, n, k in shapes:
@@ -176,7 +195,7 @@ def main(argv=None):
                        "copy_gb_s": bandwidth / 1e9, "tflop_s": 2 * m * n * k / seconds / 1e12,
                        "relative_error": error, "device": device, "target": args.target,
                        "jax": jax.__version__, "date": datetime.date.today().isoformat()}
-                print(f"{label:8s} {f'{n} x {k}':>14s} {m:5d} {path:>9s} {row['us']:9.1f} "
+                print(f"{label:8s} {f'{n} x {k}':>14s} {m:5d} {path:>20s} {row['us']:9.1f} "
                       f"{row['weight_gb_s']:7.0f} {100 * read / seconds / bandwidth:6.1f}% "
                       f"{row['tflop_s']:8.1f}")
                 if args.out:
