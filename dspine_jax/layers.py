@@ -64,9 +64,10 @@ class Linear(nnx.Module):
 def project(x: jax.Array, weight: jax.Array) -> jax.Array:
     """x [..., in] @ weight [out, in]^T. XLA's product, or under the `verify_gemm` switch
     on a CUDA GPU `split_k_matmul` for 16 to 256 rows (a verify's projections)."""
+    from pallas_kernels.platform import backend_implementation
     from pallas_kernels.switches import current
 
-    if current().verify_gemm == "pallas" and jax.default_backend() == "gpu":
+    if current().verify_gemm == "pallas" and backend_implementation() == "pallas_gpu":
         from pallas_kernels.split_k_matmul import MIN_ROWS, fits, split_k_matmul
 
         rows = math.prod(x.shape[:-1])
