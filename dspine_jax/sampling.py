@@ -124,25 +124,18 @@ def warp_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
     return jnp.where(scaled >= _sorted_threshold(scaled, params), scaled, -jnp.inf)
 
 
-# The GPU warp's threshold implementation for each value of the `warp_threshold` switch
-# but "auto".
-THRESHOLD_IMPLEMENTATIONS = {"sort": "sort", "search": "search", "pallas": "pallas_gpu"}
-# "auto" searches with the kernel from this many rows (a verify's block: 16 rows a batch
-# row) and sorts below: the kernel's 16 launches cost more than a sort of a few rows
-# (an AR step's), and far less than a sort of many (docs/benchmarks.md, "The top-p
+# The GPU warp's threshold implementation for each value of the `warp_threshold` switch.
+# The default, the Pallas search, takes less device time than a sort of each row at every
+# row count timed, one row (an AR step at batch 1) to 512 (docs/benchmarks.md, "The top-p
 # threshold on an H100").
-KERNEL_MIN_ROWS = 16
+THRESHOLD_IMPLEMENTATIONS = {"pallas": "pallas_gpu", "sort": "sort", "search": "search"}
 
 
-def gpu_threshold_implementation(rows: int) -> str:
-    """How the branch-free warp finds the threshold of `rows` rows
-    (`pallas_kernels.warp_threshold`): a sort of the vocabulary, the sort-free search in
-    XLA, or the search with each round one Pallas launch. The `warp_threshold` switch
-    (DSPINE_WARP_THRESHOLD)."""
-    choice = switches.current().warp_threshold
-    if choice == "auto":
-        return "pallas_gpu" if rows >= KERNEL_MIN_ROWS else "sort"
-    return THRESHOLD_IMPLEMENTATIONS[choice]
+def gpu_threshold_implementation() -> str:
+    """How the branch-free warp finds its rows' threshold (`pallas_kernels.warp_threshold`):
+    the sort-free search with each round one Pallas launch, a sort of the vocabulary, or
+    the search in XLA. The `warp_threshold` switch (DSPINE_WARP_THRESHOLD)."""
+    return THRESHOLD_IMPLEMENTATIONS[switches.current().warp_threshold]
 
 
 def branch_free() -> bool:
@@ -189,8 +182,8 @@ def warp_threshold(scaled: jax.Array, params: SamplingParams,
         on = (params.temperature > 0) & ((params.top_p < 1) | (params.top_k > 0))
         k, top_p = _row_params(params, lead, vocab)
         rows = scaled.reshape(-1, vocab)
-        found = threshold_rows(rows, k, top_p, implementation=gpu_threshold_implementation(
-            rows.shape[0])).reshape(lead)
+        found = threshold_rows(rows, k, top_p,
+                               implementation=gpu_threshold_implementation()).reshape(lead)
         return jnp.where(_per_row(on, nd - 1), found, -jnp.inf)
     row = lambda x: jnp.broadcast_to(_per_row(x, nd - 1), lead).reshape(-1)  # noqa: E731
     k_eff, top_p = _row_params(params, lead, vocab)
@@ -326,7 +319,10 @@ def sample_tokens(logits: jax.Array, params: SamplingParams, rng: jax.Array) -> 
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if params.all_greedy:
         return greedy
-    sampled = row_keys.categorical(rng, warp_logits(logits, params))
+    # warp_logits' set by warp_threshold, as verification warps p (no sort of the row)
+    scaled = scale_logits(logits, params)
+    tau = warp_threshold(scaled, params)[..., None]
+    sampled = row_keys.categorical(rng, jnp.where(scaled >= tau, scaled, -jnp.inf))
     return jnp.where(params.temperature > 0, sampled.astype(jnp.int32), greedy)
 
 

@@ -11,13 +11,11 @@ until a new decoder is built. Outside any decoder, `current()` is the defaults.
   field              variable                 values (default first)
   warp_unfiltered    DSPINE_WARP_UNFILTERED   1 | 0   sampled batches without top-p/top-k
                                                       skip the vocabulary threshold
-  warp_threshold     DSPINE_WARP_THRESHOLD    auto | sort | search | pallas   how
-                                                      the GPU warp finds its top-p/top-k
-                                                      threshold: a sort of each row, the
-                                                      sort-free search in XLA, or the
-                                                      search in a Pallas kernel; auto:
-                                                      the kernel from 16 rows (a verify),
-                                                      the sort below
+  warp_threshold     DSPINE_WARP_THRESHOLD    pallas | sort | search   how the GPU
+                                                      warp finds its top-p/top-k
+                                                      threshold: the sort-free search in
+                                                      a Pallas kernel, a sort of each
+                                                      row, or the search in XLA
   chain_walk         DSPINE_CHAIN_WALK        auto | all | steps   how a sampled DSpine
                                                       chain is walked
   top_k_grouped      DSPINE_TOP_K_GROUPED     1 | 0   the grouped top-k on GPUs
@@ -53,7 +51,7 @@ from typing import Iterator, Mapping
 CHAIN_WALKS = ("auto", "all", "steps")
 COMBINES = ("unrolled", "xla", "kernel")
 TOP_K_SELECTS = ("sort", "topk")
-WARP_THRESHOLDS = ("auto", "sort", "search", "pallas")
+WARP_THRESHOLDS = ("pallas", "sort", "search")
 VERIFY_GEMMS = ("xla", "pallas")
 FLAGS = {"warp_unfiltered": ("DSPINE_WARP_UNFILTERED", True),
          "top_k_grouped": ("DSPINE_TOP_K_GROUPED", True),
@@ -71,7 +69,7 @@ CHOICES = {"warp_threshold": ("DSPINE_WARP_THRESHOLD", WARP_THRESHOLDS),
 @dataclasses.dataclass(frozen=True)
 class Switches:
     warp_unfiltered: bool = True
-    warp_threshold: str = "auto"
+    warp_threshold: str = "pallas"
     chain_walk: str = "auto"
     top_k_grouped: bool = True
     top_k_split: bool = True

@@ -41,7 +41,7 @@ def use_warp_path(monkeypatch, path: str) -> bool:
     monkeypatch.setattr("dspine_jax.sampling.branch_free", lambda: path != "selection")
     implementation = THRESHOLD_IMPLEMENTATIONS.get(path, "sort")
     monkeypatch.setattr("dspine_jax.sampling.gpu_threshold_implementation",
-                        lambda rows: implementation)
+                        lambda: implementation)
     monkeypatch.setattr("dspine_jax.sampling.threshold_rows", functools.partial(
         threshold_rows, interpret=implementation == "pallas_gpu"))
     return path != "selection"

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dspine_jax import row_keys
 from dspine_jax.errors import InputError
 from dspine_jax.runtime.requests import validate_sampling
 from dspine_jax.sampling import (SamplingParams, sample_tokens, target_probabilities,
@@ -96,9 +97,16 @@ def test_top_k_indices_match_numpy_on_any_rank():
 @pytest.mark.parametrize("branch_free", [True, False])
 def test_unfiltered_batches_trace_no_threshold(branch_free, monkeypatch):
     """`all_unfiltered` (create() with top_p 1 and top_k 0) warps by temperature alone:
-    the same distribution as the general path, and no sort or TopK in the program."""
-    from dspine_jax.sampling import warp_stats
+    the same distribution as the general path, and no sort or TopK in the program (the
+    branch-free general path with the sort as its threshold, so that it shows one)."""
     monkeypatch.setattr("dspine_jax.sampling.branch_free", lambda: branch_free)
+    with Switches(warp_threshold="sort").active():
+        _unfiltered_traces_no_threshold(branch_free)
+
+
+def _unfiltered_traces_no_threshold(branch_free):
+    from dspine_jax.sampling import warp_stats
+
     logits = jnp.asarray(np.random.default_rng(4).normal(size=(3, 2, 40)) * 3, jnp.float32)
     fast = SamplingParams.create(3, 0.7)
     assert fast.all_unfiltered and not SamplingParams.create(3, 0.7, top_p=0.9).all_unfiltered
@@ -133,3 +141,29 @@ def test_batch_sampling_mode_ignores_greedy_rows_filters(monkeypatch):
     assert params.all_unfiltered and not params.all_greedy
     with pytest.raises(ValueError, match="sampling mode"):
         params_for_mode(jnp.asarray(t), jnp.asarray(p), jnp.asarray(k), "fast")
+
+
+@pytest.mark.parametrize("path", ["selection", "sort", "pallas"])
+def test_sample_tokens_draws_from_warp_logits_set(path, monkeypatch):
+    """sample_tokens warps by `warp_threshold` (as verification warps p), not by a sort:
+    on the CPU's partial top-k and bisection, and on the branch-free path by the sort or
+    the Pallas search (interpreted), each key draws the token that the same key draws
+    from `warp_logits` (the sort's definition), and greedy rows take the argmax."""
+    import functools
+
+    from dspine_jax import sampling
+
+    monkeypatch.setattr("dspine_jax.sampling.branch_free", lambda: path != "selection")
+    monkeypatch.setattr("dspine_jax.sampling.threshold_rows", functools.partial(
+        sampling.threshold_rows, interpret=path == "pallas"))
+    logits = jnp.asarray(np.random.default_rng(7).normal(size=(4, 300)) * 3, jnp.float32)
+    params = SamplingParams.create(4, 0.8, top_p=0.6, top_k=8).replace(
+        temperature=jnp.asarray([0.8, 0.8, 0.0, 1.3], jnp.float32))
+    with Switches(warp_threshold=path if path != "selection" else "pallas").active():
+        for seed in range(24):
+            key = jax.random.key(seed)
+            got = sampling.sample_tokens(logits, params, key)
+            want = jnp.where(params.temperature > 0,
+                             row_keys.categorical(key, warp_logits(logits, params)),
+                             jnp.argmax(logits, -1))
+            np.testing.assert_array_equal(got, want)
