@@ -38,6 +38,8 @@ until a new decoder is built. Outside any decoder, `current()` is the defaults.
   verify_gemm        DSPINE_VERIFY_GEMM       xla | pallas   a projection of 16 to 256
                                                       rows on a CUDA GPU (a verify's):
                                                       XLA's GEMM or split_k_matmul
+                                                      (level at batch 1, slower at 8 on
+                                                      an H100)
 """
 
 from __future__ import annotations
