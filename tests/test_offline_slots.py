@@ -132,6 +132,9 @@ def test_compile_ahead_covers_what_the_run_takes(loaded, tiny_dspine_dir, monkey
         ahead.append(steps.compiles)
 
     monkeypatch.setattr(offline.jax, "default_backend", lambda: "gpu")
+    # the pretended GPU's sampled programs warp by a sort: the Pallas threshold kernel
+    # compiles only on a real one
+    monkeypatch.setattr("dspine_jax.sampling.gpu_threshold_implementation", lambda: "sort")
     monkeypatch.setattr(engine_core.EngineCore, "compile_ahead", spy)
     prompts = PROMPTS[:4]
     results = pipe.generate(prompts, max_new_tokens=12, batch_size=slots, ignore_eos=True)
