@@ -6,9 +6,8 @@ side.
         --implementations sort search pallas_gpu --interpret                         # CPU smoke
 
 The rows are an AR step's (one per batch row: 1 and 8) and a verify's (one per verified
-position: batch x 16; 16, 128 and 512 for batch 1, 8 and 32), where the GPU warp's `auto`
-choice sorts below 16 rows and searches from 16, over SmolLM2's and Qwen3's
-vocabularies, float32 logits scaled as at temperature 0.8, top-p 0.9
+position: batch x 16; 16, 128 and 512 for batch 1, 8 and 32; the GPU warp searches with
+the kernel at every count by default), over SmolLM2's and Qwen3's vocabularies, float32 logits scaled as at temperature 0.8, top-p 0.9
 (`--top-k` adds a top-k to every row). Each implementation runs
 `--iters` times in one compiled loop (each iteration's input depends on the last result,
 so nothing is hoisted); the figure is the median over `--repeats` of (loop time / iters),
