@@ -7,15 +7,15 @@ side.
 
 The rows are an AR step's (one per batch row: 1 and 8) and a verify's (one per verified
 position: batch x 16; 16, 128 and 512 for batch 1, 8 and 32; the GPU warp searches with
-the kernel at every count by default), over SmolLM2's and Qwen3's vocabularies, float32 logits scaled as at temperature 0.8, top-p 0.9
-(`--top-k` adds a top-k to every row). Each implementation runs
-`--iters` times in one compiled loop (each iteration's input depends on the last result,
-so nothing is hoisted); the figure is the median over `--repeats` of (loop time / iters),
-in microseconds of device time. Beside it: one read of the rows at the copy bandwidth
-measured in the same run (the search reads them about 10 times: 8 rounds, the extremes
-and the top-k set's mass; the sort reads and writes them several times). Every
-implementation's kept set is checked against the sort's before timing (equal but for
-tokens whose mass-before lies within float32 rounding of top_p).
+the kernel at every count by default), over SmolLM2's and Qwen3's vocabularies, float32
+logits scaled as at temperature 0.8, top-p 0.9 (`--top-k` adds a top-k to every row).
+Each implementation runs `--iters` times in one compiled loop (each iteration's input
+depends on the last result, so nothing is hoisted); the figure is the median over
+`--repeats` of (loop time / iters), in microseconds of device time. Beside it: one read
+of the rows at the copy bandwidth measured in the same run (the search reads them about
+10 times: 8 rounds, the extremes and the top-k set's mass; the sort reads and writes them
+several times). Every implementation's kept set is checked against the sort's before
+timing (equal but for tokens whose mass-before lies within float32 rounding of top_p).
 """
 
 from __future__ import annotations
