@@ -29,12 +29,10 @@ import argparse
 import dataclasses
 import datetime
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
-from dspine_benchmarks.decode_step import jax_copy_bandwidth
+from dspine_benchmarks.decode_step import jax_copy_bandwidth, median_time
 
 
 def projections(config) -> list[tuple[str, int, int]]:
@@ -92,16 +90,6 @@ def pallas_tiling(path: str, m: int, n: int, k: int):
     return dataclasses.replace(default_tiling(m, n, k), **pallas_overrides(path))
 
 
-def pallas_fits(path: str, m: int, n: int, k: int) -> bool:
-    from pallas_kernels.split_k_matmul import check_shapes
-
-    try:
-        check_shapes(m, n, k, pallas_tiling(path, m, n, k))
-    except ValueError:
-        return False
-    return True
-
-
 def chained(fn):
     """One compiled program of fn over L distinct weights, one after another: each
     product's x is nudged by a sum over the last product's whole output, so that none is
@@ -118,13 +106,7 @@ def chained(fn):
 
 def time_path(fn, x, weights, repeats: int) -> float:
     run = chained(fn)
-    run(x, weights).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run(x, weights).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) / len(weights)
+    return median_time(lambda: run(x, weights).block_until_ready(), repeats) / len(weights)
 
 
 @jax.jit
@@ -158,6 +140,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     from dspine_jax.config import PRESETS
+    from pallas_kernels.split_k_matmul import fits as split_k_fits
 
     args = parse_args(argv)
     name = args.target.removeprefix("preset:")
@@ -186,7 +169,8 @@ def main(argv=None):
             for path in args.paths:
                 slices = (int(path.removeprefix("split-k")) if path.startswith("split-k")
                           else 1)
-                if k % slices or (path.startswith("pallas") and not pallas_fits(path, m, n, k)):
+                if k % slices or (path.startswith("pallas") and not split_k_fits(
+                        m, n, k, pallas_tiling(path, m, n, k))):
                     continue
                 fn = product(path, args.interpret)
                 try:

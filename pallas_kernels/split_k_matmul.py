@@ -72,10 +72,11 @@ def check_shapes(m: int, n: int, k: int, tiling: Tiling) -> None:
                          f"slices of whole {tiling.block_k}-wide chunks")
 
 
-def fits(m: int, n: int, k: int) -> bool:
-    """Whether default_tiling(m, n, k) can run an [m, k] x [n, k]^T product."""
+def fits(m: int, n: int, k: int, tiling: Tiling | None = None) -> bool:
+    """Whether `tiling` (default_tiling(m, n, k) when None) can run an [m, k] x [n, k]^T
+    product."""
     try:
-        check_shapes(m, n, k, default_tiling(m, n, k))
+        check_shapes(m, n, k, tiling or default_tiling(m, n, k))
     except ValueError:
         return False
     return True
