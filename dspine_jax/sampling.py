@@ -319,10 +319,10 @@ def sample_tokens(logits: jax.Array, params: SamplingParams, rng: jax.Array) -> 
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if params.all_greedy:
         return greedy
-    # warp_logits' set by warp_threshold, as verification warps p (no sort of the row)
-    scaled = scale_logits(logits, params)
-    tau = warp_threshold(scaled, params)[..., None]
-    sampled = row_keys.categorical(rng, jnp.where(scaled >= tau, scaled, -jnp.inf))
+    # warp_logits' set as verification warps p (warp_stats: no sort of the row; its unused
+    # normaliser is dropped by the compiler)
+    scaled, tau, _ = warp_stats(logits, params)
+    sampled = row_keys.categorical(rng, jnp.where(scaled >= tau[..., None], scaled, -jnp.inf))
     return jnp.where(params.temperature > 0, sampled.astype(jnp.int32), greedy)
 
 
